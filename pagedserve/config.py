@@ -1,0 +1,103 @@
+"""Engine configuration: frozen dataclasses built once in the composition root and passed down.
+
+Derived values (number of KV blocks, EOS ids) are computed by their owners and passed on as
+explicit arguments, never written back into a config.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte size such as ``2GiB``, ``512MiB``, ``1.5GB`` or ``1048576``."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot parse size {text!r}; use e.g. 2GiB, 512MiB or a byte count")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which model to load and how.
+
+    ``model`` is a Hugging Face directory or a ``.gguf`` file; None means the default model.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # None: the model's own context length
+    served_model_name: str | None = None
+    quantization: str | None = None  # None | int8 | int4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError("max_model_len must be positive")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be int8 or int4, not {self.quantization!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache: block size, total bytes, prefix caching."""
+
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers together
+    enable_prefix_caching: bool = True
+    num_blocks_override: int | None = None  # tests: force a tiny cache
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a positive power of two")
+        if self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+        if self.num_blocks_override is not None and self.num_blocks_override < 2:
+            raise ValueError("num_blocks_override must be at least 2")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    ``max_num_batched_tokens`` is the per-step token budget shared by decode and prefill
+    tokens; prompts longer than what is left of it are prefilled in chunks.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # fcfs | priority
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.max_num_seqs <= 0:
+            raise ValueError("max_num_seqs must be positive")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError("policy must be fcfs or priority")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine needs; built once from the CLI or the LLM constructor."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    max_logprobs: int = 20

@@ -1,0 +1,56 @@
+"""The engine-core contract: what goes in (EngineCoreRequest) and comes out (EngineCoreOutput) of LLMEngine.
+
+Token ids only; text lives in the front end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.outputs import FinishReason, TokenLogprob
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class EngineCoreRequest:
+    """A tokenized request. ``n`` samples come back as outputs with ``index`` 0..n-1."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float  # time.monotonic()
+    priority: int = 0  # lower runs first under the priority policy
+    eos_token_ids: tuple[int, ...] = ()  # filled in by the engine when empty
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """New tokens of one sample since the previous step; ``finish_reason`` set on the last one."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # sent once, with the first token
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # monotonic; sent with the first output
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """A snapshot of the scheduler and KV cache for metrics and logs (counters are cumulative)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use by live requests, 0..1
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed (excludes cache hits)
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    step_num_tokens: list[int] = field(default_factory=list)  # tokens per step since the last snapshot
