@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from pagedserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from pagedserve.engine.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
 
 
 class EngineDeadError(RuntimeError):
@@ -47,6 +47,11 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def get_stats(self) -> SchedulerStats:
         """A recent snapshot of queue lengths, KV usage and cumulative counters."""
+
+    @property
+    @abstractmethod
+    def model_info(self) -> ModelInfo:
+        """The served model's name, limits, EOS ids and tokenizer (available before ``start``)."""
 
     @property
     @abstractmethod

@@ -54,3 +54,18 @@ class SchedulerStats:
     num_generation_tokens: int = 0
     num_steps: int = 0
     step_num_tokens: list[int] = field(default_factory=list)  # tokens per step since the last snapshot
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the front end needs to know about the served model (the tokenizer is a HF fast tokenizer)."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer: object
+    generation_config: dict = field(default_factory=dict)
+    num_kv_blocks: int = 0  # 0 for engines without a paged cache
+    block_size: int = 0
+    engine_name: str = "paged"  # "paged" | "hf"
