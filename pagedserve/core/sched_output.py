@@ -1,0 +1,45 @@
+"""The scheduler <-> model-runner contract for one step: what to run, and what came back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.core.request import Request
+from pagedserve.outputs import TokenLogprob
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """Run ``num_new_tokens`` tokens of ``request`` starting at ``request.num_computed_tokens``.
+
+    ``num_samples`` is 0 for a prefill chunk that does not reach the end of the known tokens,
+    ``n`` at the fork point of an ``n > 1`` request, else 1.
+    """
+
+    request: Request
+    num_new_tokens: int
+    num_samples: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.request.num_computed_tokens > 0
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Per scheduled request, in the same order: sampled tokens (0, 1 or n) and logprobs when asked."""
+
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprob] | None]
+    prompt_logprobs: list[list[TokenLogprob | None] | None]

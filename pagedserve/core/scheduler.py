@@ -1,0 +1,270 @@
+"""Scheduler: continuous batching over a token budget, chunked prefill, preemption by recompute.
+
+There is no separate prefill or decode phase. Each request knows ``num_computed_tokens`` and
+``num_tokens``; each step spends the token budget on RUNNING requests first (one decode token
+each, or the next chunk of a prompt), then admits WAITING ones. A prompt that does not fit in
+what is left of the budget is prefilled in chunks over several steps. When the KV cache runs
+out, the newest (or, under the priority policy, the least important) running request is
+preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedserve.engine.messages import EngineCoreOutput, SchedulerStats
+from pagedserve.outputs import FinishReason
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and every live sample (``requests``)."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, list[Request]] = {}
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_steps = 0
+        self._step_num_tokens: list[int] = []
+
+    # ----------------------------------------------------------------- requests in and out
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = [request]
+        if self.config.policy == "priority":
+            position = len(self.waiting)
+            for i, other in enumerate(self.waiting):
+                if (request.priority, request.arrival_time) < (other.priority, other.arrival_time):
+                    position = i
+                    break
+            self.waiting.insert(position, request)
+        else:
+            self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            for request in self.requests.get(request_id, [])[:]:
+                self._finish(request, FinishReason.ABORT, None)
+
+    def stop_samples(self, samples: list[tuple[str, int]]) -> None:
+        for request_id, index in samples:
+            for request in self.requests.get(request_id, [])[:]:
+                if request.index == index:
+                    self._finish(request, FinishReason.STOP, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ----------------------------------------------------------------- one step
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+        now = time.monotonic()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.config.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
+                i += 1
+                continue
+            preempted_here = False
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self._pick_victim()
+                budget += self._unschedule(scheduled, victim)
+                self._preempt(victim)
+                preempted = preempted_here = True
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted itself; the list shifted under index i
+            scheduled.append(ScheduledRequest(request, num_new, self._num_samples(request, num_new)))
+            budget -= num_new
+            i = self.running.index(request) + 1 if preempted_here else i + 1
+
+        while self.waiting and budget > 0 and not preempted:
+            request = self.waiting[0]
+            if self.running and len(self.running) + request.num_samples_to_fork > self.config.max_num_seqs:
+                break
+            hits = self.kv_cache.get_computed_blocks(request)
+            num_hit_tokens = len(hits) * self.kv_cache.block_size
+            num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.kv_cache.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            if request.num_computed_tokens == 0:
+                self.kv_cache.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+                request.num_cached_tokens = num_hit_tokens if request.num_preemptions == 0 else request.num_cached_tokens
+            request.num_computed_tokens += num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_new, self._num_samples(request, num_new)))
+            budget -= num_new
+
+        scheduled.sort(key=lambda s: not s.is_decode)  # decodes first (stable)
+        num_tokens = self.config.max_num_batched_tokens - budget
+        return SchedulerOutput(scheduled, self.kv_cache.take_pending_copies(), num_tokens)
+
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance progress, cache full blocks, append sampled tokens, finish and free requests."""
+        outputs: list[EngineCoreOutput] = []
+        self.num_steps += 1
+        self._step_num_tokens.append(sched.num_batched_tokens)
+        for item, tokens, logprobs, prompt_logprobs in zip(
+            sched.scheduled, result.sampled_token_ids, result.logprobs, result.prompt_logprobs
+        ):
+            request = item.request
+            if request.is_finished:
+                continue
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                self.num_prompt_tokens += min(item.num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens)
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.cache_blocks(request)
+            if prompt_logprobs and not request.prompt_logprobs_sent:
+                request.prompt_logprobs.extend(prompt_logprobs)
+            if not tokens:
+                continue
+            samples = [request]
+            if len(tokens) > 1:
+                samples += self._fork(request, len(tokens))
+            for k, (sample, token_id) in enumerate(zip(samples, tokens)):
+                sample.append_token(token_id)
+                self.num_generation_tokens += 1
+                outputs.append(self._make_output(sample, token_id, logprobs[k] if logprobs else None))
+        if outputs:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def get_stats(self) -> SchedulerStats:
+        step_tokens, self._step_num_tokens = self._step_num_tokens, []
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache.usage,
+            num_blocks=self.kv_cache.pool.num_usable_blocks,
+            num_free_blocks=self.kv_cache.num_free_blocks,
+            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            num_steps=self.num_steps,
+            step_num_tokens=step_tokens,
+        )
+
+    def reset_counters(self) -> None:
+        """Zero the cumulative counters (after warm-up, so metrics count only real traffic)."""
+        self.num_preemptions = self.num_prompt_tokens = self.num_generation_tokens = self.num_steps = 0
+        self._step_num_tokens = []
+        self.kv_cache.prefix_cache_queries = self.kv_cache.prefix_cache_hits = 0
+
+    # ----------------------------------------------------------------- helpers
+    def _num_samples(self, request: Request, num_new: int) -> int:
+        if request.num_computed_tokens + num_new < request.num_tokens:
+            return 0
+        return request.num_samples_to_fork
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    @staticmethod
+    def _unschedule(scheduled: list[ScheduledRequest], victim: Request) -> int:
+        for k, item in enumerate(scheduled):
+            if item.request is victim:
+                del scheduled[k]
+                return item.num_new_tokens
+        return 0
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            request.prompt_logprobs = []
+        self.waiting.appendleft(request)
+
+    def _fork(self, parent: Request, n: int) -> list[Request]:
+        children = []
+        for index in range(1, n):
+            child = parent.fork(index)
+            self.kv_cache.share_blocks(parent, child)
+            children.append(child)
+        parent.num_samples_to_fork = 1
+        self.running.extend(children)
+        self.requests[parent.request_id].extend(children)
+        return children
+
+    def _make_output(self, request: Request, token_id: int, logprobs: object) -> EngineCoreOutput:
+        finish_reason, stop_reason = self._check_stop(request, token_id)
+        output = EngineCoreOutput(
+            request_id=request.request_id,
+            index=request.index,
+            new_token_ids=[token_id],
+            new_logprobs=[logprobs] if logprobs is not None else None,  # type: ignore[list-item]
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+        if not request.first_output_sent:
+            request.first_output_sent = True
+            output.first_scheduled_time = request.first_scheduled_time
+            if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+                request.prompt_logprobs_sent = True
+                output.prompt_logprobs = request.prompt_logprobs
+        if finish_reason is not None:
+            self._finish(request, finish_reason, stop_reason)
+        return output
+
+    def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return FinishReason.STOP, None
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP, token_id
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return FinishReason.LENGTH, None
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None) -> None:
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request in self.running:
+            self.running.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        self.kv_cache.free(request)
+        samples = self.requests.get(request.request_id)
+        if samples is not None:
+            samples.remove(request)
+            if not samples:
+                del self.requests[request.request_id]

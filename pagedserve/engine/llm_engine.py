@@ -1,0 +1,179 @@
+"""LLMEngine: the synchronous engine core. ``step()`` = schedule -> execute_model -> update_from_output.
+
+It validates requests (token ids only), owns the scheduler, the KV cache manager and the model
+runner, and is driven by the offline ``LLM`` or, in the server, by a background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.request import Request
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.engine.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
+from pagedserve.models.loader import LoadedModel, load_model
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    """Engine core over token ids. Not thread-safe: one caller drives it."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        loaded = loaded or load_model(config.model, self.device)
+        cache = config.cache
+        block_bytes = kv_cache_bytes_per_block(
+            loaded.num_layers, cache.block_size, loaded.num_kv_heads, loaded.head_dim, loaded.dtype
+        )
+        num_blocks = cache.num_blocks_override or max(2, cache.kv_cache_memory // block_bytes)
+        capacity = (num_blocks - 1) * cache.block_size
+        self.max_model_len = min(loaded.max_model_len, capacity)
+        if self.max_model_len < loaded.max_model_len:
+            logger.warning(
+                "max_model_len lowered from %d to %d tokens: that is all the KV cache holds",
+                loaded.max_model_len, self.max_model_len,
+            )
+        self.vocab_size = loaded.vocab_size
+        self.eos_token_ids = loaded.eos_token_ids
+        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.runner = ModelRunner(
+            loaded.model,
+            num_layers=loaded.num_layers,
+            num_kv_heads=loaded.num_kv_heads,
+            head_dim=loaded.head_dim,
+            vocab_size=loaded.vocab_size,
+            num_blocks=num_blocks,
+            block_size=cache.block_size,
+            dtype=loaded.dtype,
+            device=self.device,
+            seed=config.model.seed,
+        )
+        self.model_info = ModelInfo(
+            model_name=loaded.model_name,
+            max_model_len=self.max_model_len,
+            vocab_size=loaded.vocab_size,
+            eos_token_ids=loaded.eos_token_ids,
+            tokenizer=loaded.tokenizer,
+            generation_config=dict(loaded.generation_config),
+            num_kv_blocks=num_blocks - 1,
+            block_size=cache.block_size,
+            engine_name="paged",
+        )
+        self.dtype = loaded.dtype
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), dtype %s, device %s",
+            num_blocks - 1, cache.block_size, capacity, num_blocks * block_bytes / 2**20, loaded.dtype, self.device,
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        return cls(config)
+
+    # ----------------------------------------------------------------- requests
+    def validate_request(self, request: EngineCoreRequest) -> None:
+        """Raise ValueError for input the engine cannot run."""
+        ids = request.prompt_token_ids
+        if not ids:
+            raise ValueError("The prompt is empty: at least one token is required.")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"Input length ({len(ids)}) exceeds model's maximum context length ({self.max_model_len})."
+            )
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Token id {bad[0]!r} is out of vocabulary (vocab size {self.vocab_size}).")
+        params = request.sampling_params
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(f"Requested {name} of {value}, which is greater than max allowed: {self.config.max_logprobs}")
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids {bad_stop} are out of vocabulary (vocab size {self.vocab_size}).")
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.validate_request(request)
+        params = request.sampling_params
+        generator = fork_generators = None
+        if params.seed is not None:
+            generator = self._generator(params.seed)
+            fork_generators = [self._generator(params.seed + i) for i in range(1, params.n)]
+        self.scheduler.add_request(
+            Request(
+                request_id=request.request_id,
+                index=0,
+                prompt_token_ids=list(request.prompt_token_ids),
+                sampling_params=params,
+                arrival_time=request.arrival_time,
+                eos_token_ids=tuple(request.eos_token_ids) or self.eos_token_ids,
+                priority=request.priority,
+                num_samples_to_fork=params.n,
+                generator=generator,
+                fork_generators=fork_generators or [],
+            )
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def stop_samples(self, samples: list[tuple[str, int]]) -> None:
+        self.scheduler.stop_samples(samples)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ----------------------------------------------------------------- the loop
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute_model(sched)
+        return self.scheduler.update_from_output(sched, result)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    def warmup(self, num_prompt_tokens: int = 32, num_output_tokens: int = 4) -> None:
+        """Run a real prefill and a few decode steps (first-call costs), then forget them."""
+        prompt = [i % self.vocab_size for i in range(1, num_prompt_tokens + 1)]
+        request_id = "__warmup__"
+        params = SamplingParams(max_tokens=num_output_tokens, ignore_eos=True, temperature=0.0)
+        self.add_request(EngineCoreRequest(request_id, prompt, params, time.monotonic()))
+        while request_id in self.scheduler.requests:
+            self.step()
+        self.kv_cache.pool.reset_prefix_cache()
+        self.scheduler.reset_counters()
+
+    def _generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed % (2**63))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.kv_cache.pool.num_usable_blocks
+
+
+__all__ = ["LLMEngine", "resolve_device", "cdiv"]

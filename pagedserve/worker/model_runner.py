@@ -1,0 +1,135 @@
+"""ModelRunner: owns the model and the paged KV cache tensors, turns a SchedulerOutput into one forward pass and samples.
+
+Each step it builds flat inputs for all scheduled requests (decodes first, then prefill
+chunks): token ids, positions, slot mapping, block tables and context lengths; runs the
+model once; takes logits only where a token is sampled (or prompt logprobs are asked); and
+samples.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedserve.outputs import TokenLogprob
+from pagedserve.worker.attention import build_attention_metadata
+from pagedserve.worker.sampler import Sampler, SamplingRow
+
+
+def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    """Runs the model over the paged cache. Invariant: ``kv_caches[layer]`` is
+    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` and block 0 is never written."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        vocab_size: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+        generator = torch.Generator(device=device).manual_seed(seed)
+        self.sampler = Sampler(vocab_size, generator)
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if sched.block_copies:
+            self._copy_blocks(sched.block_copies)
+        items = sched.scheduled
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for item in items:
+            start = item.request.num_computed_tokens
+            end = start + item.num_new_tokens
+            input_ids.extend(item.request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+        meta = build_attention_metadata(
+            [item.request.num_computed_tokens for item in items],
+            [item.num_new_tokens for item in items],
+            [item.request.block_ids for item in items],
+            self.block_size,
+            self.device,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [num_tokens]
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [num_tokens]
+        hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
+
+        sample_rows: list[int] = []  # flat token index of each sampled row
+        rows: list[SamplingRow] = []
+        owners: list[int] = []  # which item each row belongs to
+        for k, item in enumerate(items):
+            last = meta.query_start_loc[k + 1] - 1
+            for s in range(item.num_samples):
+                sample_rows.append(last)
+                rows.append(self._sampling_row(item, s))
+                owners.append(k)
+        sampled: list[list[int]] = [[] for _ in items]
+        logprobs: list[list[TokenLogprob] | None] = [None for _ in items]
+        if rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])  # [rows, vocab]
+            tokens, token_logprobs = self.sampler(logits, rows)
+            for owner, token, logprob in zip(owners, tokens, token_logprobs):
+                sampled[owner].append(token)
+                if logprob is not None:
+                    logprobs[owner] = (logprobs[owner] or []) + [logprob]
+        prompt_logprobs = [
+            self._prompt_logprobs(item, hidden, meta.query_start_loc[k]) if item.request.sampling_params.prompt_logprobs is not None else None
+            for k, item in enumerate(items)
+        ]
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _sampling_row(self, item: ScheduledRequest, sample: int) -> SamplingRow:
+        request = item.request
+        generator = request.generator if sample == 0 else (request.fork_generators[sample - 1] if request.fork_generators else None)
+        return SamplingRow(
+            params=request.sampling_params,
+            generator=generator,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    def _prompt_logprobs(self, item: ScheduledRequest, hidden: torch.Tensor, start: int) -> list[TokenLogprob | None]:
+        """Logprobs of prompt tokens computed in this chunk (the first prompt token has none)."""
+        request = item.request
+        first = request.num_computed_tokens
+        result: list[TokenLogprob | None] = [None] if first == 0 else []
+        # position p predicts token p + 1; only prompt tokens count
+        last = min(first + item.num_new_tokens, request.num_prompt_tokens - 1)
+        if last <= first:
+            return result
+        logits = self.model.compute_logits(hidden[start:start + (last - first)])  # [m, vocab]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        targets = torch.tensor(request.prompt_token_ids[first + 1:last + 1], device=logprobs.device)
+        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+        ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
+        n = request.sampling_params.prompt_logprobs or 0
+        top_v, top_i = (logprobs.topk(n, dim=-1) if n else (None, None))
+        for j in range(last - first):
+            top = list(zip(top_i[j].tolist(), top_v[j].tolist())) if n else []
+            result.append(TokenLogprob(int(targets[j]), float(chosen[j]), int(ranks[j]), top))
+        return result
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
