@@ -1,0 +1,174 @@
+"""Reads llama.cpp GGUF files: metadata -> a transformers config, and dequantized tensors under Hugging Face names.
+
+llama.cpp permutes the rows of ``attn_q``/``attn_k`` (rotary pairs interleaved) for the llama
+architecture; ``iter_gguf_weights`` undoes that, matching transformers' own GGUF loader.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
+
+from pagedserve.models.layers import compute_inv_freq
+from pagedserve.models.registry import ModelLoadError
+
+# general.architecture -> (HF architecture name, config class, q/k rows permuted by llama.cpp)
+_GGUF_ARCHITECTURES: dict[str, tuple[str, type[PretrainedConfig], bool]] = {
+    "llama": ("LlamaForCausalLM", LlamaConfig, True),
+    "qwen2": ("Qwen2ForCausalLM", Qwen2Config, False),
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Llama 3.1+ rope (stored by llama.cpp only as the `rope_freqs` tensor): the parameters Meta uses
+_LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def open_gguf(path: str):
+    """A memory-mapped ``gguf.GGUFReader`` (tensor data is read lazily)."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path!r}: {exc}") from exc
+
+
+def read_gguf_metadata(reader) -> dict[str, Any]:
+    """All key/value metadata of a GGUF file as Python values (strings, numbers, lists)."""
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def gguf_to_hf_config(metadata: dict[str, Any], reader) -> PretrainedConfig:
+    """A transformers config equivalent to the GGUF metadata (and tensor list, for tying and rope)."""
+    arch = metadata.get("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        supported = ", ".join(_GGUF_ARCHITECTURES)
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: {supported})")
+    architecture, config_class, _ = _GGUF_ARCHITECTURES[arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata is missing {arch}.{key}")
+        return value
+
+    hidden_size = get("embedding_length")
+    num_heads = get("attention.head_count")
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    vocab_size = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
+    config = config_class(
+        architectures=[architecture],
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=get("attention.head_count_kv", num_heads),
+        head_dim=get("attention.key_length", hidden_size // num_heads),
+        max_position_embeddings=get("context_length"),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=get("rope.freq_base", 10000.0),
+        rope_scaling=_rope_scaling(metadata, arch, reader, tensor_names),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+    )
+    if arch == "qwen2":
+        config.use_sliding_window = False
+    return config
+
+
+def _rope_scaling(metadata: dict[str, Any], arch: str, reader, tensor_names: set[str]) -> dict[str, Any] | None:
+    scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
+    if scaling_type == "yarn":
+        return {
+            "rope_type": "yarn",
+            "factor": float(metadata[f"{arch}.rope.scaling.factor"]),
+            "original_max_position_embeddings": int(metadata[f"{arch}.rope.scaling.original_context_length"]),
+        }
+    if scaling_type != "none":
+        raise ModelLoadError(f"GGUF rope scaling {scaling_type!r} is not supported")
+    if "rope_freqs.weight" in tensor_names:
+        return _llama3_scaling_from_rope_freqs(metadata, arch, reader)
+    return None
+
+
+def _llama3_scaling_from_rope_freqs(metadata: dict[str, Any], arch: str, reader) -> dict[str, Any]:
+    """Recover Llama 3.1's ``rope_scaling`` from llama.cpp's per-frequency divisors (``rope_freqs``)."""
+    from gguf.quants import dequantize
+
+    tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    divisors = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)).flatten()
+    head_dim = 2 * divisors.numel()
+    theta = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
+    scaling = {"rope_type": "llama3", "factor": float(divisors.max()), **_LLAMA3_ROPE_DEFAULTS}
+    expected = compute_inv_freq(head_dim, theta, None) / divisors
+    if not torch.allclose(compute_inv_freq(head_dim, theta, scaling), expected, rtol=1e-3):
+        raise ModelLoadError("the GGUF rope_freqs tensor does not match Llama 3 rope scaling; not supported")
+    return scaling
+
+
+def gguf_eos_token_ids(metadata: dict[str, Any]) -> tuple[int, ...]:
+    """End-of-generation token ids: EOS plus end-of-turn / end-of-message when the file names them."""
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    return tuple(dict.fromkeys(int(metadata[key]) for key in keys if key in metadata))
+
+
+def _hf_tensor_name(gguf_name: str) -> str | None:
+    match = _BLOCK_NAME.fullmatch(gguf_name)
+    if match:
+        layer, part, suffix = match.groups()
+        module = _BLOCK_TENSORS.get(part)
+        return f"model.layers.{layer}.{module}.{suffix}" if module else None
+    base, _, suffix = gguf_name.rpartition(".")
+    module = _GLOBAL_TENSORS.get(base)
+    return f"{module}.{suffix}" if module else None
+
+
+def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row interleaving of q/k (``[heads * head_dim, ...]``)."""
+    shape = weight.shape
+    return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+def iter_gguf_weights(reader, config: PretrainedConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized float32 tensors with Hugging Face names; tensors we have no use for are skipped."""
+    from gguf.quants import dequantize
+
+    permuted = _GGUF_ARCHITECTURES[arch][2]
+    for tensor in tqdm(reader.tensors, desc="Loading GGUF tensors", unit="tensor"):
+        name = _hf_tensor_name(tensor.name)
+        if name is None:
+            continue
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)  # [rows, cols] in HF order, float32
+        except NotImplementedError as exc:
+            raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}") from exc
+        if not array.flags.writeable or not array.flags.c_contiguous or array.dtype != np.float32:
+            array = np.array(array, dtype=np.float32)  # NOTE: unquantized tensors come back as read-only mmap views
+        weight = torch.from_numpy(array)
+        if permuted and ".self_attn.q_proj." in name:
+            weight = _unpermute_rows(weight, config.num_attention_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            weight = _unpermute_rows(weight, config.num_key_value_heads)
+        yield name, weight

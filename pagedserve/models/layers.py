@@ -1,0 +1,184 @@
+"""Building blocks of decoder-only transformers: linear layers with fused-shard loading, RMSNorm
+(with a fused residual add), rotary position embedding (default, linear and llama3 scaling) and
+the SiLU-and-mul activation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T + b`` whose output rows may be several checkpoint tensors packed together.
+
+    ``shard_sizes`` names the packed parts in order (``{"q": 576, "k": 192, "v": 192}``);
+    ``weight_loader`` copies one checkpoint tensor into its rows. Parameters are created
+    uninitialized (a checkpoint always overwrites them), unless ``weight`` shares an existing
+    one (tied embeddings).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        shard_sizes: dict[str | int, int] | None = None,
+        dtype: torch.dtype | None = None,
+        weight: nn.Parameter | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        if weight is None:
+            weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        elif weight.shape != (out_features, in_features):
+            raise ValueError(f"shared weight has shape {tuple(weight.shape)}, expected {(out_features, in_features)}")
+        self.weight = weight
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.shard_offsets: dict[str | int, tuple[int, int]] = {}
+        if shard_sizes is not None:
+            if sum(shard_sizes.values()) != out_features:
+                raise ValueError(f"shard sizes {shard_sizes} do not add up to {out_features}")
+            offset = 0
+            for shard_id, size in shard_sizes.items():
+                self.shard_offsets[shard_id] = (offset, size)
+                offset += size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        """Copy ``loaded`` into ``param`` (this layer's weight or bias), or into one shard of it."""
+        target = param.data
+        if shard_id is not None:
+            offset, size = self.shard_offsets[shard_id]
+            target = target.narrow(0, offset, size)
+        if target.shape != loaded.shape:
+            raise ValueError(f"shape mismatch: parameter {tuple(target.shape)} vs checkpoint {tuple(loaded.shape)}")
+        target.copy_(loaded)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Embedding(nn.Module):
+    """Token embedding table ``[vocab_size, hidden_size]``, created uninitialized."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 like Hugging Face's ``LlamaRMSNorm``.
+
+    ``forward(x)`` returns the normed ``x``; ``forward(x, residual)`` first adds ``x`` into
+    ``residual`` in place and returns ``(norm(residual), residual)``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.hidden_size = hidden_size
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (self.hidden_size,), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual.add_(x)  # NOTE: in place, in the model dtype, as HF's `residual + hidden_states`
+        return self._norm(residual), residual
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+class SiluAndMul(nn.Module):
+    """``silu(gate) * up`` for the fused ``[..., 2 * intermediate]`` gate/up projection output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths slowed by ``factor``, short ones kept, smooth in between."""
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    old_context_len = float(scaling.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def compute_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Rotary inverse frequencies ``[head_dim // 2]`` (float32, CPU) for a Hugging Face ``rope_scaling`` dict."""
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    rope_type = "default"
+    if rope_scaling:
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope_scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_scaling)
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) rotary embedding with a precomputed ``[max_positions, head_dim]`` cos|sin cache.
+
+    One instance serves all layers: ``forward(positions)`` looks cos/sin up once per model
+    forward, and ``apply_rotary_emb`` rotates each layer's q/k with them.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position_embeddings: int,
+        rope_theta: float = 10000.0,
+        rope_scaling: dict[str, Any] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position_embeddings = max_position_embeddings
+        inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling)  # [head_dim // 2]
+        positions = torch.arange(max_position_embeddings, dtype=torch.int64, device="cpu").float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
+        cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_positions, head_dim]
+        # NOTE: computed in float32 on the CPU (same values on every device), then cast once to the
+        # model dtype, as HF casts cos/sin to the activation dtype before rotating.
+        cos_sin_cache = cos_sin_cache.to(device=torch.get_default_device(), dtype=dtype or torch.float32)
+        self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[num_tokens, 1, head_dim // 2]`` for ``positions`` ``[num_tokens]``."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[num_tokens, num_heads, head_dim]`` (halves as pairs); returns a new tensor."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,0 +1,249 @@
+"""Builds a ready-to-run model from a ``ModelConfig``: resolves the path and dtype, reads config,
+weights (Hugging Face safetensors or GGUF), tokenizer and generation defaults into a ``LoadedModel``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerFast
+
+from pagedserve.config import ModelConfig
+from pagedserve.models import gguf_loader
+from pagedserve.models.default_model import default_model_path
+from pagedserve.models.registry import ModelLoadError, get_model_class
+from pagedserve.tokenizer import load_tokenizer, tokenizer_from_gguf_metadata
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_GGUF_QUANT_SUFFIX = re.compile(r"[.\-_](?:i?q\d\w*|b?f(?:16|32))$", re.IGNORECASE)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model in eval mode on its device, with everything the engine and front end need to serve it."""
+
+    model: nn.Module
+    hf_config: PretrainedConfig
+    dtype: torch.dtype
+    tokenizer: PreTrainedTokenizerFast
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    model_name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    generation_config: dict[str, Any]
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """The torch dtype for ``float32``/``bfloat16``/``float16``; ``auto`` is bfloat16 where the
+    hardware computes it natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), else float32."""
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
+        return _DTYPES[name]
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu" and _cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def _cpu_has_native_bf16() -> bool:
+    get_capability = getattr(torch._C._cpu, "_get_cpu_capability", None)
+    if get_capability is not None:
+        capability = get_capability()
+        if capability.get("avx512_bf16") or capability.get("amx_bf16"):
+            return True
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        try:  # NOTE: on Arm oneDNN reports bf16 only when the cores have the BF16 extension
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            return False
+    return False
+
+
+def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedModel:
+    """Load the model ``model_config`` names (the default GGUF model when None) onto ``device``.
+
+    Cheap checks (path, config, context length, tokenizer) run before the weights are read.
+    Raises ``ModelLoadError`` with a message meant for the user.
+    """
+    device = torch.device(device)
+    path = model_config.model or default_model_path()
+    is_gguf = _check_model_path(path)
+    dtype = resolve_dtype(model_config.dtype, device)
+    if is_gguf:
+        reader = gguf_loader.open_gguf(path)
+        metadata = gguf_loader.read_gguf_metadata(reader)
+        hf_config = gguf_loader.gguf_to_hf_config(metadata, reader)
+        generation_config: dict[str, Any] = {}
+    else:
+        hf_config = _read_hf_config(path)
+        generation_config = _read_generation_config(path)
+    model_class = get_model_class(getattr(hf_config, "architectures", None))
+    max_model_len = _resolve_max_model_len(model_config.max_model_len, hf_config)
+    if model_config.tokenizer:
+        tokenizer = load_tokenizer(model_config.tokenizer)
+    elif is_gguf:
+        tokenizer = tokenizer_from_gguf_metadata(metadata)
+    else:
+        tokenizer = load_tokenizer(path)
+    if is_gguf:
+        eos_token_ids = gguf_loader.gguf_eos_token_ids(metadata)
+        weights = gguf_loader.iter_gguf_weights(reader, hf_config, metadata["general.architecture"])
+    else:
+        eos_token_ids = _collect_eos_token_ids(hf_config, generation_config, tokenizer)
+        weights = iter_safetensors_weights(path)
+
+    logger.info("loading %s from %s as %s on %s", model_class.__name__, path, dtype, device)
+    try:
+        with torch.device(device):
+            model = model_class(hf_config, dtype=dtype)
+        model.load_weights(weights)
+    except ValueError as exc:
+        raise ModelLoadError(f"cannot build the model from {path!r}: {exc}") from exc
+    model.eval()
+    return LoadedModel(
+        model=model,
+        hf_config=hf_config,
+        dtype=dtype,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids,
+        max_model_len=max_model_len,
+        model_name=model_config.served_model_name or derive_model_name(path),
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        vocab_size=hf_config.vocab_size,
+        generation_config=generation_config,
+    )
+
+
+def _check_model_path(path: str) -> bool:
+    """Whether ``path`` is a GGUF file; raises ``ModelLoadError`` when it is neither that nor an HF directory."""
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ModelLoadError(f"model file {path!r} is not a .gguf file; pass a .gguf file or an HF model directory")
+        return True
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ModelLoadError(f"model directory {path!r} has no config.json; it must be a Hugging Face model dir")
+        return False
+    raise ModelLoadError(
+        f"model path {path!r} does not exist; pass a local Hugging Face model directory or a .gguf file "
+        "(models are never downloaded)"
+    )
+
+
+def _read_hf_config(path: str) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read the model config in {path!r}: {exc}") from exc
+
+
+def _read_generation_config(path: str) -> dict[str, Any]:
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file, encoding="utf-8") as f:
+        config = json.load(f)
+    return {key: value for key, value in config.items() if key not in ("transformers_version", "_from_model_config")}
+
+
+def _weight_files(path: str) -> list[str]:
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_file):
+        with open(index_file, encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, name) for name in names]
+    names = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
+    if len(names) > 1:  # NOTE: Mistral repos also ship consolidated.safetensors with non-HF names
+        names = [name for name in names if not name.startswith("consolidated")]
+    if not names:
+        raise ModelLoadError(f"no *.safetensors weights in {path!r} (only safetensors checkpoints are supported)")
+    return [os.path.join(path, name) for name in names]
+
+
+def iter_safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of an HF directory's safetensors files, read one at a time on the CPU."""
+    from safetensors import safe_open
+
+    files = _weight_files(path)
+    num_tensors = 0
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            num_tensors += len(f.keys())
+    with tqdm(total=num_tensors, desc="Loading safetensors", unit="tensor") as progress:
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    progress.update(1)
+
+
+def _as_id_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _collect_eos_token_ids(
+    hf_config: PretrainedConfig, generation_config: dict[str, Any], tokenizer: PreTrainedTokenizerFast
+) -> tuple[int, ...]:
+    ids = _as_id_list(getattr(hf_config, "eos_token_id", None))
+    ids += _as_id_list(generation_config.get("eos_token_id"))
+    ids += _as_id_list(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))
+
+
+def _sliding_window(hf_config: PretrainedConfig) -> int | None:
+    """The attention window the model was trained with, when its attention uses one."""
+    window = getattr(hf_config, "sliding_window", None)
+    if hf_config.model_type == "mistral" or getattr(hf_config, "use_sliding_window", False):
+        return window
+    return None
+
+
+def _resolve_max_model_len(requested: int | None, hf_config: PretrainedConfig) -> int:
+    model_len = getattr(hf_config, "max_position_embeddings", None)
+    window = _sliding_window(hf_config)
+    if window is not None and (model_len is None or window < model_len):
+        # NOTE: our attention has no sliding window; within one window full attention is exact.
+        logger.info("sliding_window=%d: limiting max_model_len to it", window)
+        model_len = window
+    if requested is None:
+        if model_len is None:
+            raise ModelLoadError("the model config has no max_position_embeddings; set max_model_len")
+        return int(model_len)
+    if model_len is not None and requested > model_len:
+        raise ModelLoadError(f"max_model_len={requested} exceeds the model's context length ({model_len})")
+    return requested
+
+
+def derive_model_name(path: str) -> str:
+    """Served name from a path: ``.../SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``,
+    ``.../models--org--name/snapshots/<rev>`` -> ``org/name``, else the directory name."""
+    normalized = os.path.normpath(os.path.abspath(path))
+    match = re.search(r"models--([^/\\]+?)--([^/\\]+)[/\\]snapshots", normalized)
+    if match:
+        return f"{match.group(1)}/{match.group(2)}"
+    base = os.path.basename(normalized)
+    if base.endswith(".gguf"):
+        base = _GGUF_QUANT_SUFFIX.sub("", base[: -len(".gguf")])
+    return base

@@ -1,0 +1,247 @@
+"""Tiny random Llama/Mistral/Qwen2 checkpoints: our paged model must reproduce transformers' logits
+and greedy tokens, through a real paged KV cache."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
+
+from pagedserve.config import ModelConfig
+from pagedserve.models.loader import LoadedModel, load_model
+from pagedserve.models.registry import MODEL_REGISTRY, ModelLoadError
+from pagedserve.worker.attention import build_attention_metadata
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]),
+    "llama3-rope": lambda: LlamaConfig(
+        **TINY,
+        architectures=["LlamaForCausalLM"],
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "llama-linear-tied-bias-headdim": lambda: LlamaConfig(
+        **TINY,
+        architectures=["LlamaForCausalLM"],
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+        head_dim=32,
+    ),
+    "mistral": lambda: MistralConfig(**TINY, architectures=["MistralForCausalLM"], sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**TINY, architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
+}
+PROMPT = [3, 17, 42, 99, 5, 64, 7, 120, 33, 8, 91, 12, 54]
+PROMPT_2 = [11, 22, 33, 44, 55, 66]
+
+
+def save_tiny_tokenizer(path: str) -> None:
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 128)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.save_pretrained(path)
+
+
+def build_hf_model(config: transformers.PretrainedConfig) -> transformers.PreTrainedModel:
+    """A random model whose logits have clear gaps (HF's std=0.02 init makes greedy argmax ties likely)."""
+    torch.manual_seed(0)
+    config._attn_implementation = "eager"
+    model = getattr(transformers, config.architectures[0])(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif param.dim() == 1:
+                param.normal_(0.0, 0.1)
+            else:
+                param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]) if "embed" not in name else 1.0)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory) -> tuple[transformers.PreTrainedModel, LoadedModel]:
+    path = str(tmp_path_factory.mktemp(request.param))
+    hf_model = build_hf_model(CONFIGS[request.param]())
+    hf_model.save_pretrained(path, safe_serialization=True)
+    save_tiny_tokenizer(path)
+    return hf_model, load_model(ModelConfig(model=path, dtype="float32"), torch.device("cpu"))
+
+
+def new_kv_caches(loaded: LoadedModel) -> list[torch.Tensor]:
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, loaded.num_kv_heads, loaded.head_dim)
+    return [torch.zeros(shape, dtype=loaded.dtype) for _ in range(loaded.num_layers)]
+
+
+def block_table(first_block: int, num_tokens: int) -> list[int]:
+    """Scattered, descending block ids so that reading through the table really matters."""
+    num_blocks = (num_tokens + BLOCK_SIZE - 1) // BLOCK_SIZE
+    return [first_block - 2 * i for i in range(num_blocks)]
+
+
+@torch.inference_mode()
+def run_step(loaded, kv_caches, token_ids, num_computed, num_new, tables) -> torch.Tensor:
+    """One forward over several requests (decodes first); returns logits ``[num_tokens, vocab]``."""
+    meta = build_attention_metadata(num_computed, num_new, tables, BLOCK_SIZE)
+    positions = torch.tensor([p for c, n in zip(num_computed, num_new) for p in range(c, c + n)])
+    hidden = loaded.model(torch.tensor(token_ids), positions, kv_caches, meta)  # [num_tokens, hidden]
+    return loaded.model.compute_logits(hidden)
+
+
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def hf_greedy(hf_model, prompt: list[int], num_steps: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=num_steps, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_registry_covers_the_family():
+    assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"} <= set(MODEL_REGISTRY)
+
+
+def test_loaded_fields(tiny):
+    hf_model, loaded = tiny
+    config = hf_model.config
+    assert loaded.num_layers == 2 and loaded.num_kv_heads == 2 and loaded.vocab_size == 128
+    assert loaded.head_dim == (getattr(config, "head_dim", None) or 16)
+    assert loaded.dtype == torch.float32 and not loaded.model.training
+    assert loaded.max_model_len == 256
+    assert loaded.eos_token_ids == (2,)  # from the tokenizer: the config has none
+    assert isinstance(loaded.tokenizer, PreTrainedTokenizerFast)
+    assert loaded.model_name.startswith(config.model_type) or loaded.model_name.startswith("llama")
+    if config.tie_word_embeddings:
+        assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
+
+
+def test_prefill_logits_match_transformers(tiny):
+    hf_model, loaded = tiny
+    logits = run_step(loaded, new_kv_caches(loaded), PROMPT, [0], [len(PROMPT)], [block_table(40, len(PROMPT))])
+    torch.testing.assert_close(logits, hf_logits(hf_model, PROMPT), atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_matches_single_chunk(tiny):
+    _, loaded = tiny
+    table = block_table(40, len(PROMPT))
+    whole = run_step(loaded, new_kv_caches(loaded), PROMPT, [0], [len(PROMPT)], [table])
+    kv_caches = new_kv_caches(loaded)
+    split = 5  # inside a block
+    first = run_step(loaded, kv_caches, PROMPT[:split], [0], [split], [table])
+    second = run_step(loaded, kv_caches, PROMPT[split:], [split], [len(PROMPT) - split], [table])
+    torch.testing.assert_close(torch.cat([first, second]), whole, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_decode_matches_generate(tiny):
+    """Two requests prefilled in one batch, then decoded together one token at a time through the cache."""
+    hf_model, loaded = tiny
+    num_steps = 10
+    prompts = [PROMPT, PROMPT_2]
+    tables = [block_table(60, len(PROMPT) + num_steps), block_table(59, len(PROMPT_2) + num_steps)]
+    kv_caches = new_kv_caches(loaded)
+    logits = run_step(loaded, kv_caches, PROMPT + PROMPT_2, [0, 0], [len(PROMPT), len(PROMPT_2)], tables)
+    last = [len(PROMPT) - 1, len(PROMPT) + len(PROMPT_2) - 1]
+    next_ids = logits[last].argmax(-1).tolist()
+    generated = [[next_ids[0]], [next_ids[1]]]
+    lengths = [len(PROMPT), len(PROMPT_2)]
+    for _ in range(num_steps - 1):
+        logits = run_step(loaded, kv_caches, next_ids, lengths, [1, 1], tables)
+        lengths = [n + 1 for n in lengths]
+        next_ids = logits.argmax(-1).tolist()
+        for out, token_id in zip(generated, next_ids):
+            out.append(token_id)
+    for prompt, out in zip(prompts, generated):
+        assert out == hf_greedy(hf_model, prompt, num_steps)
+
+
+def test_bfloat16_load_stays_close(tiny, tmp_path):
+    hf_model, _ = tiny
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    save_tiny_tokenizer(str(tmp_path))
+    loaded = load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16"), "cpu")
+    assert loaded.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    logits = run_step(loaded, new_kv_caches(loaded), PROMPT, [0], [len(PROMPT)], [block_table(40, len(PROMPT))])
+    assert logits.dtype == torch.float32
+    reference = hf_logits(hf_model, PROMPT)
+    assert (logits - reference).abs().max() < 0.15 * reference.abs().max()
+
+
+def test_eos_ids_and_generation_config(tmp_path):
+    config = CONFIGS["llama"]()
+    config.eos_token_id = [2, 7]
+    build_hf_model(config).save_pretrained(tmp_path, safe_serialization=True)
+    save_tiny_tokenizer(str(tmp_path))
+    with open(tmp_path / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [9, 2], "temperature": 0.6, "top_p": 0.9, "transformers_version": "4.57"}, f)
+    loaded = load_model(
+        ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=100, served_model_name="tiny"), "cpu"
+    )
+    assert loaded.eos_token_ids == (2, 7, 9)
+    assert loaded.generation_config == {"eos_token_id": [9, 2], "temperature": 0.6, "top_p": 0.9}
+    assert loaded.max_model_len == 100 and loaded.model_name == "tiny"
+    with pytest.raises(ModelLoadError, match="exceeds"):
+        load_model(ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=1000), "cpu")
+
+
+def test_missing_tensor_is_reported(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    build_hf_model(CONFIGS["llama"]()).save_pretrained(tmp_path, safe_serialization=True)
+    save_tiny_tokenizer(str(tmp_path))
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"k_proj|qkv_proj"):
+        load_model(ModelConfig(model=str(tmp_path), dtype="float32"), "cpu")
+
+
+def test_unsupported_architecture(tmp_path):
+    config = CONFIGS["llama"]()
+    build_hf_model(config).save_pretrained(tmp_path, safe_serialization=True)
+    with open(tmp_path / "config.json") as f:
+        raw = json.load(f)
+    raw["architectures"] = ["GPTNeoXForCausalLM"]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(ModelLoadError, match="unsupported model architecture"):
+        load_model(ModelConfig(model=os.fspath(tmp_path), dtype="float32"), "cpu")
+
+
+def test_mistral_sliding_window_caps_max_model_len(tmp_path):
+    config = CONFIGS["mistral"]()
+    config.sliding_window = 64
+    build_hf_model(config).save_pretrained(tmp_path, safe_serialization=True)
+    save_tiny_tokenizer(str(tmp_path))
+    assert load_model(ModelConfig(model=str(tmp_path), dtype="float32"), "cpu").max_model_len == 64
+    with pytest.raises(ModelLoadError, match="exceeds"):
+        load_model(ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=65), "cpu")
