@@ -9,6 +9,7 @@ The reference backend here is plain PyTorch (SDPA) and runs on any device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,9 @@ class AttentionMetadata:
     seq_lens_host: list[int]  # same as seq_lens, on the host
     num_decodes: int  # the first num_decodes requests have exactly one query token
     block_size: int
+    # (q [n, heads, dim], kv_cache, block_tables [n, m], seq_lens [n], scale) -> [n, heads, dim];
+    # a compiled kernel chosen by the model runner, or None for the PyTorch reference
+    decode_kernel: Callable[..., torch.Tensor] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -44,6 +48,7 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device | str = "cpu",
+    decode_kernel: Callable[..., torch.Tensor] | None = None,
 ) -> AttentionMetadata:
     """Metadata for requests that already hold ``num_computed[i]`` tokens and add ``num_new[i]``.
 
@@ -73,6 +78,7 @@ def build_attention_metadata(
         seq_lens_host=seq_lens,
         num_decodes=num_decodes,
         block_size=block_size,
+        decode_kernel=decode_kernel,
     )
 
 
@@ -97,7 +103,10 @@ def paged_attention(
     out = torch.empty_like(query)
     if meta.num_decodes:
         num = meta.num_decodes
-        out[:num] = _decode_attention(query[:num], kv_cache, meta, scale)
+        if meta.decode_kernel is not None:
+            out[:num] = meta.decode_kernel(query[:num], kv_cache, meta.block_tables[:num], meta.seq_lens[:num], scale)
+        else:
+            out[:num] = _decode_attention(query[:num], kv_cache, meta, scale)
     for i in range(meta.num_decodes, meta.num_reqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         seq_len = meta.seq_lens_host[i]

@@ -14,6 +14,7 @@ from torch import nn
 from pagedserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.outputs import TokenLogprob
 from pagedserve.worker.attention import build_attention_metadata
+from pagedserve.worker.cpu_kernels import load_cpu_kernels
 from pagedserve.worker.sampler import Sampler, SamplingRow
 
 
@@ -38,6 +39,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         seed: int = 0,
+        use_cpu_kernels: bool = True,
     ) -> None:
         self.model = model
         self.device = device
@@ -48,6 +50,10 @@ class ModelRunner:
         ]
         generator = torch.Generator(device=device).manual_seed(seed)
         self.sampler = Sampler(vocab_size, generator)
+        self.decode_kernel = None
+        if device.type == "cpu" and use_cpu_kernels:
+            kernels = load_cpu_kernels()
+            self.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -67,6 +73,7 @@ class ModelRunner:
             [item.request.block_ids for item in items],
             self.block_size,
             self.device,
+            self.decode_kernel,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [num_tokens]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [num_tokens]

@@ -43,7 +43,7 @@ class Sampler:
         want_logprobs = any(row.params.logprobs is not None for row in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [num_rows, vocab]
         if all(_is_plain_greedy(row) for row in rows):
-            tokens = logits.argmax(dim=-1)
+            tokens = logits.max(dim=-1).indices  # NOTE: faster than argmax on CPU
         else:
             logits = self._apply_processors(logits.clone(), rows)
             tokens = self._sample(logits, rows)
@@ -70,7 +70,7 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        greedy_tokens = logits.argmax(dim=-1)  # [num_rows]
+        greedy_tokens = logits.max(dim=-1).indices  # [num_rows]
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if not random_rows:
             return greedy_tokens
