@@ -1,0 +1,129 @@
+"""Server-side resource sampling during a benchmark: resident memory and KV-cache usage.
+
+Memory comes from ``psutil`` (the server's pid plus all its children) when a pid is given,
+else from the ``process_resident_memory_bytes`` gauge of the server's Prometheus ``/metrics``.
+KV usage comes from ``pagedserve:kv_cache_usage_perc`` (or vLLM's gauges) when exposed.
+Efficiency is the articles' measure: average / peak over the measured phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+
+RSS_METRICS = ("process_resident_memory_bytes",)
+KV_METRICS = ("pagedserve:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+def parse_prometheus(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The largest sample value of each wanted metric name (labels ignored) in Prometheus text format."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, rest = line.partition(" ")
+        name = head.split("{", 1)[0]
+        if name not in names:
+            continue
+        if "{" in head and "}" not in head:  # a label value held a space
+            rest = line.split("}", 1)[1]
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        values[name] = max(value, values.get(name, value))
+    return values
+
+
+def process_tree_rss(pid: int) -> int | None:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+        except psutil.Error:
+            continue
+    return total
+
+
+class ServerMonitor:
+    """Samples memory and KV usage every ``interval`` seconds between ``start()`` and ``stop()``."""
+
+    def __init__(
+        self, client: httpx.AsyncClient, metrics_url: str | None, pid: int | None, interval: float = 1.0
+    ) -> None:
+        self.client = client
+        self.metrics_url = metrics_url
+        self.pid = pid
+        self.interval = interval
+        self.rss: list[float] = []
+        self.kv: list[float] = []
+        self.rss_source: str | None = None
+        self._metrics_ok = metrics_url is not None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+
+    async def sample(self) -> None:
+        rss = process_tree_rss(self.pid) if self.pid else None
+        if rss is not None:
+            self.rss.append(float(rss))
+            self.rss_source = f"psutil pid {self.pid} + children"
+        if not self._metrics_ok:
+            return
+        try:
+            response = await self.client.get(self.metrics_url, timeout=5.0)  # type: ignore[arg-type]
+        except httpx.HTTPError:
+            return
+        if response.status_code != 200:
+            self._metrics_ok = False
+            return
+        values = parse_prometheus(response.text, RSS_METRICS + KV_METRICS)
+        if rss is None and "process_resident_memory_bytes" in values:
+            self.rss.append(values["process_resident_memory_bytes"])
+            self.rss_source = "/metrics process_resident_memory_bytes"
+        for name in KV_METRICS:
+            if name in values:
+                self.kv.append(values[name])
+                break
+
+    async def _run(self) -> None:
+        while not self._stopping.is_set():
+            await self.sample()
+            try:
+                await asyncio.wait_for(self._stopping.wait(), self.interval)
+            except asyncio.TimeoutError:
+                pass
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._task is not None:
+            await self._task
+        await self.sample()
+
+    def summary(self) -> dict[str, Any]:
+        peak_rss = max(self.rss) if self.rss else None
+        avg_rss = sum(self.rss) / len(self.rss) if self.rss else None
+        peak_kv = max(self.kv) if self.kv else None
+        avg_kv = sum(self.kv) / len(self.kv) if self.kv else None
+        return {
+            "peak_rss_bytes": peak_rss,
+            "avg_rss_bytes": avg_rss,
+            "memory_efficiency": avg_rss / peak_rss if peak_rss else None,
+            "rss_source": self.rss_source,
+            "peak_kv_usage": peak_kv,
+            "avg_kv_usage": avg_kv,
+            "kv_efficiency": avg_kv / peak_kv if peak_kv else None,
+            "num_memory_samples": len(self.rss),
+        }

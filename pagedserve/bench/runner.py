@@ -1,0 +1,412 @@
+"""Load generation: targets, arrival processes, closed and open loops, and the side-by-side sweep.
+
+A sweep runs every (workload, load point) against each target in turn, so that drift on a
+noisy machine hits all targets alike. Each (workload, point) gets its own seed, shared by the
+targets, so they see the same prompts and no two points share prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+
+from pagedserve.bench.datasets import PromptFactory, RequestSource, SampleRequest
+from pagedserve.bench.metrics import cost_per_1k_output_tokens, fill_token_counts, summarize
+from pagedserve.bench.monitor import ServerMonitor
+from pagedserve.bench.request_funcs import (
+    ENDPOINT_PATHS,
+    RequestFuncInput,
+    RequestFuncOutput,
+    async_request_openai,
+)
+
+
+
+@dataclass(slots=True)
+class Target:
+    """A server under test: ``[name=]URL[,api_key=K][,model=M][,pid=P]`` on the command line."""
+
+    name: str
+    base_url: str
+    api_key: str | None = None
+    model: str | None = None
+    pid: int | None = None
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    @classmethod
+    def parse(cls, spec: str) -> Target:
+        head, *options = spec.split(",")
+        name, sep, url = head.partition("=")
+        if not sep or "://" in name:
+            name, url = "", head
+        url = url.strip().rstrip("/")
+        if url.endswith("/v1"):
+            url = url[: -len("/v1")]
+        if "://" not in url:
+            url = "http://" + url
+        target = cls(name=name.strip() or (urlsplit(url).netloc or url), base_url=url)
+        for option in options:
+            key, _, value = option.partition("=")
+            key = key.strip().replace("-", "_")
+            if key == "api_key":
+                target.api_key = value
+            elif key == "model":
+                target.model = value
+            elif key == "pid":
+                target.pid = int(value)
+            else:
+                raise ValueError(f"unknown target option {key!r} in {spec!r} (use api_key, model or pid)")
+        return target
+
+
+@dataclass(slots=True)
+class LoadPoint:
+    """Closed loop (``concurrency`` clients, each sending its next request when the last finishes)
+    or open loop (``request_rate`` arrivals per second, optionally capped at ``concurrency``)."""
+
+    concurrency: int | None = None
+    request_rate: float | None = None
+    burstiness: float = 1.0
+
+    @property
+    def is_open(self) -> bool:
+        return self.request_rate is not None
+
+    @property
+    def label(self) -> str:
+        if self.is_open:
+            rate = "inf" if math.isinf(self.request_rate or 0) else f"{self.request_rate:g}"
+            cap = f",c={self.concurrency}" if self.concurrency else ""
+            burst = f",b={self.burstiness:g}" if self.burstiness != 1.0 else ""
+            return f"rate={rate}{burst}{cap}"
+        return f"c={self.concurrency}"
+
+
+@dataclass(slots=True)
+class BenchOptions:
+    """Everything about how requests are sent and the run is measured (shared by all targets)."""
+
+    endpoint: str = "completions"
+    model: str | None = None
+    api_key: str | None = None
+    num_prompts: int | None = 32
+    duration: float | None = None
+    num_warmups: int = 1
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    include_usage: bool = True
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    slos: dict[str, float] = field(default_factory=dict)
+    price_per_hour: float | None = None
+    memory_interval: float = 1.0
+    server_pid: int | None = None
+    request_timeout: float = 3600.0
+    drain_timeout: float = math.inf  # after --duration: how long in-flight requests may finish
+    warmup_output_len: int | None = 16  # cap on warm-up outputs (they only warm the server up)
+    progress: bool = True
+
+
+@dataclass(slots=True)
+class PointResult:
+    """One (target, workload, load point) run: raw outputs and the summary record."""
+
+    target: Target
+    workload: str
+    point: LoadPoint
+    seed: int
+    outputs: list[RequestFuncOutput]
+    warmup_outputs: list[RequestFuncOutput]
+    record: dict[str, Any]
+
+
+def arrival_intervals(request_rate: float, burstiness: float, rng: np.random.Generator) -> Iterator[float]:
+    """Gaps between arrivals: gamma(shape=burstiness, mean=1/rate); burstiness 1 is Poisson.
+
+    Burstiness below 1 is burstier than Poisson, above 1 more regular; infinite rate sends all at once.
+    """
+    if burstiness <= 0:
+        raise ValueError("burstiness must be positive")
+    if math.isinf(request_rate):
+        while True:
+            yield 0.0
+    theta = 1.0 / (request_rate * burstiness)
+    while True:
+        yield float(rng.gamma(shape=burstiness, scale=theta))
+
+
+def arrival_times(num: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Offsets (s) from the start of the first ``num`` arrivals; the first request goes at once."""
+    intervals = arrival_intervals(request_rate, burstiness, np.random.default_rng(seed))
+    times, now = [], 0.0
+    for index in range(num):
+        if index:
+            now += next(intervals)
+        times.append(now)
+    return times
+
+
+class _Feed:
+    """Hands out requests: pre-generated ones first (no tokenizing while measuring), then fresh ones."""
+
+    def __init__(self, source: RequestSource, num_prompts: int | None, duration: float | None) -> None:
+        self.source = source
+        self.limit = num_prompts
+        self.deadline: float | None = None
+        self.duration = duration
+        self.pending = source.take(num_prompts if num_prompts else 64)
+        self.issued = 0
+
+    def start(self, now: float) -> None:
+        self.deadline = now + self.duration if self.duration else None
+
+    def next(self) -> SampleRequest | None:
+        if self.limit is not None and self.issued >= self.limit:
+            return None
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            return None
+        self.issued += 1
+        return self.pending.pop(0) if self.pending else self.source.next()
+
+
+Send = Callable[[SampleRequest, float | None], Awaitable[RequestFuncOutput]]
+
+
+async def _closed_loop(feed: _Feed, concurrency: int, send: Send) -> None:
+    async def client() -> None:
+        while (sample := feed.next()) is not None:
+            await send(sample, None)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+
+
+async def _open_loop(feed: _Feed, point: LoadPoint, seed: int, send: Send) -> None:
+    semaphore = asyncio.Semaphore(point.concurrency) if point.concurrency else None
+    intervals = arrival_intervals(point.request_rate or math.inf, point.burstiness, np.random.default_rng(seed))
+
+    async def one(sample: SampleRequest, scheduled: float) -> None:
+        if semaphore is None:
+            await send(sample, scheduled)
+            return
+        async with semaphore:
+            await send(sample, scheduled)
+
+    tasks: list[asyncio.Task[None]] = []
+    scheduled = time.perf_counter()
+    try:
+        while (sample := feed.next()) is not None:
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(sample, scheduled)))
+            scheduled += next(intervals)
+            if feed.deadline is not None and scheduled >= feed.deadline:
+                break
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def resolve_model(client: httpx.AsyncClient, target: Target, options: BenchOptions) -> str:
+    """The model name to send: the target's, the run's, or the first one the server lists."""
+    if target.model or options.model:
+        return target.model or options.model or ""
+    headers = {"Authorization": f"Bearer {target.api_key or options.api_key}"} if (target.api_key or options.api_key) else {}
+    try:
+        response = await client.get(target.url("/v1/models"), headers=headers, timeout=10.0)
+        data = response.json().get("data") or []
+        if response.status_code == 200 and data:
+            return str(data[0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return ""
+
+
+async def server_version(client: httpx.AsyncClient, target: Target) -> str | None:
+    try:
+        response = await client.get(target.url("/version"), timeout=5.0)
+        if response.status_code == 200:
+            return str(response.json().get("version"))
+    except (httpx.HTTPError, ValueError, AttributeError):
+        pass
+    return None
+
+
+async def run_point(
+    client: httpx.AsyncClient,
+    target: Target,
+    model: str,
+    workload: str,
+    source: RequestSource,
+    point: LoadPoint,
+    seed: int,
+    options: BenchOptions,
+    tokenizer: Any | None = None,
+) -> PointResult:
+    """Warm up, then measure one load point against one target."""
+    api_key = target.api_key if target.api_key is not None else options.api_key
+
+    def make_input(sample: SampleRequest, warmup: bool) -> RequestFuncInput:
+        output_len = sample.output_len
+        if warmup and options.warmup_output_len:
+            output_len = min(output_len, options.warmup_output_len)
+        return RequestFuncInput(
+            prompt=sample.prompt,
+            prompt_len=sample.prompt_len,
+            output_len=output_len,
+            model=model,
+            api_url=target.url(ENDPOINT_PATHS[options.endpoint]),
+            endpoint=options.endpoint,
+            api_key=api_key,
+            ignore_eos=options.ignore_eos,
+            temperature=options.temperature,
+            include_usage=options.include_usage,
+            extra_body=options.extra_body,
+            workload=sample.workload,
+        )
+
+    warmup_outputs: list[RequestFuncOutput] = []
+
+    async def send_warmup(sample: SampleRequest, scheduled: float | None) -> RequestFuncOutput:
+        warmup_outputs.append(RequestFuncOutput())
+        return await async_request_openai(client, make_input(sample, True), scheduled, warmup_outputs[-1])
+
+    if options.num_warmups > 0:
+        warm_feed = _Feed(source, options.num_warmups, None)
+        await _closed_loop(warm_feed, min(options.num_warmups, point.concurrency or 1), send_warmup)
+
+    feed = _Feed(source, options.num_prompts, options.duration)
+    progress = _progress_bar(options, f"{target.name} {workload} {point.label}")
+    outputs: list[RequestFuncOutput] = []
+
+    async def send(sample: SampleRequest, scheduled: float | None) -> RequestFuncOutput:
+        outputs.append(RequestFuncOutput())  # NOTE: registered first, so a cut-off request is still counted
+        output = await async_request_openai(client, make_input(sample, False), scheduled, outputs[-1])
+        if progress is not None:
+            progress.update(1)
+        return output
+
+    monitor = ServerMonitor(client, target.url("/metrics"), target.pid or options.server_pid, options.memory_interval)
+    await monitor.sample()
+    monitor.start()
+    start = time.perf_counter()
+    feed.start(start)
+    if point.is_open:
+        measured = asyncio.create_task(_open_loop(feed, point, seed, send))
+    else:
+        measured = asyncio.create_task(_closed_loop(feed, point.concurrency or 1, send))
+    window = None
+    if options.duration and not math.isinf(options.drain_timeout):
+        window = options.duration + options.drain_timeout
+    done, _ = await asyncio.wait({measured}, timeout=window)
+    if done:
+        measured.result()
+    else:  # the window is over: cut off what is still running
+        measured.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await measured
+    duration = time.perf_counter() - start
+    await monitor.stop()
+    if progress is not None:
+        progress.close()
+    for output in outputs + warmup_outputs:
+        output.start_time -= start
+        if output.scheduled_time is not None:
+            output.scheduled_time -= start
+    fill_token_counts(outputs, tokenizer)
+    record = _record(target, model, workload, point, seed, outputs, duration, monitor, options)
+    return PointResult(target, workload, point, seed, outputs, warmup_outputs, record)
+
+
+def _record(
+    target: Target,
+    model: str,
+    workload: str,
+    point: LoadPoint,
+    seed: int,
+    outputs: list[RequestFuncOutput],
+    duration: float,
+    monitor: ServerMonitor,
+    options: BenchOptions,
+) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "target": target.name,
+        "url": target.base_url,
+        "model": model,
+        "workload": workload,
+        "point": point.label,
+        "concurrency": point.concurrency,
+        "request_rate": point.request_rate if point.request_rate is None or not math.isinf(point.request_rate) else "inf",
+        "burstiness": point.burstiness if point.is_open else None,
+        "seed": seed,
+        "num_requests": len(outputs),
+    }
+    record.update(summarize(outputs, duration, options.slos))
+    record.update(monitor.summary())
+    record["price_per_hour"] = options.price_per_hour
+    record["cost_per_1k_output_tokens"] = cost_per_1k_output_tokens(
+        options.price_per_hour, record["duration_s"], record["total_output_tokens"]
+    )
+    return record
+
+
+def _progress_bar(options: BenchOptions, description: str) -> Any:
+    if not options.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=options.num_prompts, desc=description, unit="req", leave=False, dynamic_ncols=True)
+
+
+async def run_sweep(
+    targets: list[Target],
+    workloads: list[str],
+    points: list[LoadPoint],
+    options: BenchOptions,
+    factory: PromptFactory,
+    base_seed: int,
+    source_kwargs: dict[str, Any] | None = None,
+    on_result: Callable[[PointResult], None] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> tuple[list[PointResult], dict[str, dict[str, Any]]]:
+    """Every workload x point, each against every target in turn. Returns results and per-target info."""
+    max_clients = max((p.concurrency or 0) for p in points) if points else 0
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(16, max_clients + 8))
+    timeout = httpx.Timeout(options.request_timeout, connect=30.0)
+    results: list[PointResult] = []
+    info: dict[str, dict[str, Any]] = {}
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False, transport=transport) as client:
+        models = {}
+        for target in targets:
+            models[target.name] = await resolve_model(client, target, options)
+            info[target.name] = {
+                "url": target.base_url,
+                "model": models[target.name],
+                "server_version": await server_version(client, target),
+            }
+        index = 0
+        for workload in workloads:
+            for point in points:
+                seed = base_seed + 1000 * index
+                index += 1
+                for target in targets:
+                    source = RequestSource(workload, factory, seed, **(source_kwargs or {}))
+                    result = await run_point(
+                        client, target, models[target.name], workload, source, point, seed, options, factory.tokenizer
+                    )
+                    results.append(result)
+                    if on_result is not None:
+                        on_result(result)
+    return results, info

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Reproduce docs/benchmarks.md: pagedserve against the `--engine hf` baseline (and optionally vLLM),
+# all four workloads at concurrency 1, 16 and 64, in one alternating run of `pagedserve bench`.
+#
+#   scripts/bench_compare.sh [OUT_DIR]
+#
+# Environment:
+#   DURATION=60        measured seconds per (target, workload, concurrency); in-flight requests are cut off
+#   WORKLOADS=short,medium,long,mixed   CONCURRENCY=1,16,64
+#   DTYPE=bfloat16     pagedserve's dtype (the hf baseline always runs float32, as in the articles)
+#   KV_CACHE=4GiB      pagedserve's KV cache
+#   VLLM_URL=http://127.0.0.1:8002   add a running vLLM server as a third target (started by you)
+#   EXTRA="..."        more `pagedserve bench` flags, e.g. "--price-per-hour 0.10"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-bench-out}
+PY=${PY:-.venv/bin/python}
+DURATION=${DURATION:-60}
+WORKLOADS=${WORKLOADS:-short,medium,long,mixed}
+CONCURRENCY=${CONCURRENCY:-1,16,64}
+DTYPE=${DTYPE:-bfloat16}
+KV_CACHE=${KV_CACHE:-4GiB}
+PAGED_PORT=${PAGED_PORT:-8000}
+HF_PORT=${HF_PORT:-8001}
+
+pids=()
+cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+start() {  # start NAME PORT ARGS...: launch `pagedserve serve`, wait for /health
+  local name=$1 port=$2; shift 2
+  "$PY" -m pagedserve.cli serve --port "$port" "$@" > "$OUT/server-$name.log" 2>&1 &
+  pids+=($!)
+  eval "${name}_pid=$!"
+  for _ in $(seq 1 600); do
+    if curl -sf "http://127.0.0.1:$port/health" > /dev/null; then return 0; fi
+    sleep 1
+  done
+  echo "$name did not come up; see $OUT/server-$name.log" >&2
+  exit 1
+}
+
+mkdir -p "$OUT"
+"$PY" scripts/roofline.py --json "$OUT/roofline.json" | tee "$OUT/roofline.txt"
+start paged "$PAGED_PORT" --dtype "$DTYPE" --kv-cache-memory "$KV_CACHE" --max-model-len 4096
+start hf "$HF_PORT" --engine hf --max-model-len 4096
+targets=(--target "pagedserve=http://127.0.0.1:$PAGED_PORT,pid=$paged_pid" --target "hf=http://127.0.0.1:$HF_PORT,pid=$hf_pid")
+if [[ -n "${VLLM_URL:-}" ]]; then targets+=(--target "vllm=$VLLM_URL"); fi
+
+# shellcheck disable=SC2086
+"$PY" -m pagedserve.bench "${targets[@]}" --workload "$WORKLOADS" --concurrency "$CONCURRENCY" \
+  --duration "$DURATION" --drain-timeout 0 --ignore-eos --slo ttft:1s,tpot:100ms --output-dir "$OUT" ${EXTRA:-}
+echo "report: $OUT/report.md"

@@ -1,0 +1,505 @@
+"""pagedserve bench: SSE parsing, per-request timing, metrics, arrivals, workloads, report and plots;
+then the whole tool against a real pagedserve server (marked slow)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+
+import httpx
+import numpy as np
+import pytest
+
+from pagedserve.bench import cli
+from pagedserve.bench.datasets import WORKLOADS, PromptFactory, RequestSource, encode
+from pagedserve.bench.metrics import parse_slo, stats_ms, summarize
+from pagedserve.bench.monitor import parse_prometheus
+from pagedserve.bench.report import build_summary, terminal_report, write_outputs
+from pagedserve.bench.request_funcs import (
+    RequestFuncInput,
+    RequestFuncOutput,
+    SSEDecoder,
+    async_request_openai,
+    error_message_from_body,
+)
+from pagedserve.bench.runner import BenchOptions, LoadPoint, Target, arrival_times, run_sweep
+
+SUMMARY_FIELDS = (
+    "completed", "failed", "incomplete", "duration_s", "request_throughput", "output_throughput", "total_token_throughput",
+    "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "peak_rss_bytes", "avg_rss_bytes", "memory_efficiency",
+    "peak_kv_usage", "avg_kv_usage", "kv_efficiency", "cost_per_1k_output_tokens", "failures", "goodput",
+)
+
+
+# ---- SSE parsing ------------------------------------------------------------------------------
+
+STREAM = (
+    ": keep-alive comment\r\n\r\n"
+    'data: {"choices":[{"text":"héllo"}]}\r\n\r\n'
+    "event: message\n"
+    'data: {"choices":[{"text":" wörld ✓"}]}\n\n'
+    "data: line one\ndata: line two\n\n"
+    'data:{"choices":[{"text":"🙂"}]}\r\r'
+    "data: [DONE]\n\n"
+).encode()
+EXPECTED = [
+    '{"choices":[{"text":"héllo"}]}',
+    '{"choices":[{"text":" wörld ✓"}]}',
+    "line one\nline two",
+    '{"choices":[{"text":"🙂"}]}',
+    "[DONE]",
+]
+
+
+def _parse(chunks: list[bytes]) -> list[str]:
+    decoder = SSEDecoder()
+    events = []
+    for chunk in chunks:
+        events += decoder.feed(chunk)
+    return events + decoder.flush()
+
+
+def test_sse_whole_stream():
+    assert _parse([STREAM]) == EXPECTED
+
+
+def test_sse_split_at_every_byte_pair():
+    for i in range(1, len(STREAM)):
+        for j in range(i, len(STREAM), 7):
+            assert _parse([STREAM[:i], STREAM[i:j], STREAM[j:]]) == EXPECTED, (i, j)
+
+
+def test_sse_one_byte_at_a_time_and_random_splits():
+    assert _parse([STREAM[i : i + 1] for i in range(len(STREAM))]) == EXPECTED
+    rng = random.Random(0)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(STREAM)), 6))
+        parts = [STREAM[a:b] for a, b in zip([0, *cuts], [*cuts, len(STREAM)])]
+        assert _parse(parts) == EXPECTED
+
+
+def test_sse_last_event_without_blank_line():
+    assert _parse([b'data: {"a": 1}\n\ndata: [DONE]']) == ['{"a": 1}', "[DONE]"]
+
+
+def test_error_message_shapes():
+    assert error_message_from_body(b'{"error": {"message": "bad key", "type": "x"}}') == "bad key"
+    assert error_message_from_body(b'{"error": "Model is overloaded", "error_type": "overloaded"}') == "Model is overloaded"
+    assert error_message_from_body(b'{"detail": "Not Found"}') == "Not Found"
+    assert error_message_from_body(b"plain text") == "plain text"
+
+
+# ---- a fake OpenAI-compatible server over httpx.MockTransport -----------------------------------
+
+def _fake_server(delay: float = 0.002, split: int = 7, usage: bool = True, bad_key: str | None = None):
+    """Streams ``max_tokens`` one-word chunks, cut into ``split``-byte pieces, with usage at the end."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "fake-model"}]})
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="process_resident_memory_bytes 1.5e8\npagedserve:kv_cache_usage_perc{m=\"x\"} 0.25\n")
+        if request.url.path == "/version":
+            return httpx.Response(200, json={"version": "0.0-fake"})
+        if bad_key and request.headers.get("authorization") == f"Bearer {bad_key}":
+            return httpx.Response(401, json={"error": {"message": "Invalid API key", "type": "Unauthorized"}})
+        body = json.loads(request.content)
+        num_tokens = body["max_tokens"]
+        prompt = body.get("prompt") or body["messages"][0]["content"]
+        if len(prompt) > 5000:
+            return httpx.Response(400, json={"error": {"message": "prompt too long", "type": "BadRequestError"}})
+
+        async def stream():
+            data = b""
+            for i in range(num_tokens):
+                await asyncio.sleep(delay)
+                chunk = {"choices": [{"index": 0, "text": f" w{i}", "finish_reason": "length" if i == num_tokens - 1 else None}]}
+                data += f"data: {json.dumps(chunk)}\n\n".encode()
+                while len(data) >= split:
+                    yield data[:split]
+                    data = data[split:]
+            if usage and body.get("stream_options", {}).get("include_usage"):
+                data += ("data: " + json.dumps({"choices": [], "usage": {
+                    "prompt_tokens": 17, "completion_tokens": num_tokens, "total_tokens": 17 + num_tokens}}) + "\n\n").encode()
+            data += b"data: [DONE]\n\n"
+            yield data
+
+        return httpx.Response(200, content=stream(), headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+def _input(**changes) -> RequestFuncInput:
+    values = dict(prompt="hello there", prompt_len=2, output_len=5, model="fake-model",
+                  api_url="http://fake/v1/completions")
+    values.update(changes)
+    return RequestFuncInput(**values)
+
+
+async def _one(transport: httpx.MockTransport, inp: RequestFuncInput) -> RequestFuncOutput:
+    async with httpx.AsyncClient(transport=transport) as client:
+        return await async_request_openai(client, inp)
+
+
+def test_request_records_timing_and_usage():
+    out = asyncio.run(_one(_fake_server(), _input(output_len=6)))
+    assert out.success and not out.error
+    assert out.generated_text == "".join(f" w{i}" for i in range(6))
+    assert out.usage_reported and out.output_tokens == 6 and out.prompt_len == 17
+    assert out.num_chunks == 6 and len(out.itl) == 5
+    assert 0 < out.ttft <= out.latency
+    assert out.ttft + sum(out.itl) <= out.latency + 1e-9
+    assert out.finish_reason == "length"
+
+
+def test_request_without_usage_and_chat_payload():
+    out = asyncio.run(_one(_fake_server(usage=False), _input(include_usage=False)))
+    assert out.success and not out.usage_reported and out.output_tokens == 0 and out.prompt_len == 2
+
+
+def test_request_errors_are_recorded_not_raised():
+    out = asyncio.run(_one(_fake_server(bad_key="wrong"), _input(api_key="wrong")))
+    assert not out.success and out.status_code == 401
+    assert out.error_reason == "HTTP 401" and out.error == "Invalid API key"
+
+    async def in_stream_error(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b'data: {"choices":[{"text":"a"}]}\n\ndata: {"error": {"message": "boom"}}\n\n')
+
+    out = asyncio.run(_one(httpx.MockTransport(in_stream_error), _input()))
+    assert not out.success and out.error_reason == "stream error" and out.error == "boom"
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    out = asyncio.run(_one(httpx.MockTransport(refuse), _input()))
+    assert not out.success and out.error_reason.startswith("connection error")
+
+
+# ---- metrics ----------------------------------------------------------------------------------
+
+def test_stats_percentiles_match_numpy_and_are_ordered():
+    rng = np.random.default_rng(0)
+    values = list(rng.exponential(0.1, size=501))
+    stats = stats_ms(values)
+    assert stats["p50"] == pytest.approx(np.percentile(values, 50) * 1000)
+    assert stats["p99"] == pytest.approx(np.percentile(values, 99) * 1000)
+    assert stats["min"] <= stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["max"]
+    assert stats["mean"] == pytest.approx(np.mean(values) * 1000)
+    assert stats_ms([])["p99"] == 0.0
+
+
+def test_parse_slo():
+    assert parse_slo("ttft:500ms,tpot:50ms,e2el:2s") == {"ttft": 500.0, "tpot": 50.0, "e2el": 2000.0}
+    assert parse_slo(None) == {}
+    with pytest.raises(ValueError):
+        parse_slo("latency:5ms")
+
+
+def test_summarize_goodput_and_failures():
+    fast = RequestFuncOutput(success=True, prompt_len=10, output_tokens=11, ttft=0.1, latency=0.6, itl=[0.05] * 10)
+    slow = RequestFuncOutput(success=True, prompt_len=10, output_tokens=11, ttft=0.9, latency=2.9, itl=[0.2] * 10)
+    bad = RequestFuncOutput(success=False, error="Invalid API key", error_reason="HTTP 401")
+    summary = summarize([fast, slow, bad, bad], duration_s=2.0, slos=parse_slo("ttft:500ms,tpot:100ms"))
+    assert summary["completed"] == 2 and summary["failed"] == 2
+    assert summary["failures"] == {"HTTP 401": 2} and summary["failure_examples"]["HTTP 401"] == "Invalid API key"
+    assert summary["output_throughput"] == pytest.approx(11.0)
+    assert summary["total_token_throughput"] == pytest.approx(21.0)
+    assert summary["goodput"] == pytest.approx(0.5)
+    assert summary["tpot_ms"]["mean"] == pytest.approx((50.0 + 200.0) / 2)
+
+
+def test_parse_prometheus():
+    text = ('# HELP x\nprocess_resident_memory_bytes 1.2e+09\n'
+            'pagedserve:kv_cache_usage_perc{model_name="a b"} 0.5\nother 3\n')
+    values = parse_prometheus(text, ("process_resident_memory_bytes", "pagedserve:kv_cache_usage_perc"))
+    assert values == {"process_resident_memory_bytes": 1.2e9, "pagedserve:kv_cache_usage_perc": 0.5}
+
+
+# ---- arrivals ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rate,burstiness", [(5.0, 1.0), (20.0, 0.5), (2.0, 4.0)])
+def test_arrival_times_match_rate_and_burstiness(rate, burstiness):
+    n = 4000
+    times = arrival_times(n, rate, burstiness, seed=7)
+    assert times[0] == 0.0 and all(b >= a for a, b in zip(times, times[1:]))
+    gaps = np.diff(times)
+    # gamma(k, 1/(rate k)): mean 1/rate, coefficient of variation 1/sqrt(k); 5 standard errors
+    stderr = (1 / rate) / math.sqrt(burstiness * len(gaps))
+    assert abs(gaps.mean() - 1 / rate) < 5 * stderr
+    assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(burstiness), rel=0.1)
+
+
+def test_infinite_rate_sends_everything_at_once():
+    assert arrival_times(5, math.inf) == [0.0] * 5
+
+
+# ---- workloads --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def factory(tokenizer):
+    return PromptFactory(tokenizer)
+
+
+def test_workload_prompts_have_exact_lengths(tokenizer, factory):
+    for name in ("short", "medium", "long"):
+        (_, input_len, output_len), = WORKLOADS[name]
+        for sample in RequestSource(name, factory, seed=1).take(5):
+            assert sample.prompt_len == input_len == len(encode(tokenizer, sample.prompt))
+            assert sample.output_len == output_len and sample.workload == name
+
+
+def test_mixed_workload_proportions(factory):
+    samples = RequestSource("mixed", factory, seed=2).take(50)
+    counts = {name: sum(s.workload == name for s in samples) for name in ("short", "medium", "long")}
+    assert counts == {"short": 10, "medium": 25, "long": 15}
+
+
+def test_prompts_are_real_text_and_differ_between_seeds(factory):
+    first = RequestSource("short", factory, seed=3).take(20)
+    again = RequestSource("short", factory, seed=3).take(20)
+    other = RequestSource("short", factory, seed=4).take(20)
+    assert [s.prompt for s in first] == [s.prompt for s in again]
+    assert len({s.prompt[:40] for s in first + other}) == 40
+    assert all(" the " in s.prompt or " a " in s.prompt or len(s.prompt.split()) > 10 for s in first)
+
+
+def test_random_shared_prefix_and_chat_lengths(tokenizer, factory):
+    randoms = RequestSource("random", factory, seed=5, input_len=64, output_len=32, range_ratio=0.5).take(20)
+    assert all(32 <= s.prompt_len <= 96 and 16 <= s.output_len <= 48 for s in randoms)
+    assert len({s.prompt_len for s in randoms}) > 1
+    shared = RequestSource("shared-prefix", factory, seed=6, input_len=30, output_len=8, shared_prefix_len=200).take(4)
+    prefix = shared[0].prompt[:300]
+    assert all(s.prompt.startswith(prefix) for s in shared) and len({s.prompt for s in shared}) == 4
+    assert all(s.prompt_len == len(encode(tokenizer, s.prompt)) for s in shared)
+    chat = PromptFactory(tokenizer, "chat")
+    text, prompt_len = chat.text(80, random.Random(0))
+    templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    assert prompt_len == 80 == len(templated)
+
+
+def test_sharegpt_workload(tmp_path, factory):
+    data = [{"conversations": [{"from": "human", "value": f"Question {i}: what is the capital of country number {i}?"},
+                               {"from": "gpt", "value": "It is a city with many old buildings and a river. " * (i + 1)}]}
+            for i in range(6)] + [{"conversations": [{"from": "human", "value": "hi"}]}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    samples = RequestSource("sharegpt", factory, seed=1, dataset_path=str(path)).take(8)
+    assert {s.workload for s in samples} == {"sharegpt"} and all(s.output_len >= 4 for s in samples)
+    assert len({s.prompt for s in samples}) == 6
+
+
+# ---- the whole tool against the fake server: summary, report, plots ----------------------------
+
+def test_sweep_summary_report_and_plots(tmp_path, factory):
+    targets = [Target.parse("a=http://fake-a"), Target.parse("b=http://fake-b/v1"),
+               Target.parse("c=http://fake-c,api_key=wrong")]
+    points = [LoadPoint(concurrency=1), LoadPoint(concurrency=4), LoadPoint(request_rate=50.0, burstiness=1.0)]
+    options = BenchOptions(num_prompts=6, num_warmups=1, ignore_eos=True, slos=parse_slo("ttft:1s"),
+                           price_per_hour=2.0, memory_interval=0.05, progress=False)
+    results, info = asyncio.run(run_sweep(targets, ["short", "mixed"], points, options, factory, base_seed=11,
+                                          source_kwargs={"output_len_override": 4},
+                                          transport=_fake_server(delay=0.001, bad_key="wrong")))
+    assert [(r.target.name, r.workload, r.point.label) for r in results][:3] == [
+        ("a", "short", "c=1"), ("b", "short", "c=1"), ("c", "short", "c=1")]
+    assert info["a"]["model"] == "fake-model" and info["a"]["server_version"] == "0.0-fake"
+    summary = build_summary(results, info, {"price_per_hour": 2.0}, "pagedserve bench --test")
+    for record in summary["results"]:
+        for field in SUMMARY_FIELDS:
+            assert field in record, field
+        if record["target"] != "c":
+            assert record["completed"] == 6 and record["failed"] == 0
+            assert record["total_output_tokens"] == 24 and record["peak_rss_bytes"] == 1.5e8
+            assert record["kv_efficiency"] == 1.0 and record["cost_per_1k_output_tokens"] > 0
+        else:
+            assert record["completed"] == 0 and record["failures"] == {"HTTP 401": 6}
+    assert {c["target"] for c in summary["comparisons"]} == {"b"}  # c has nothing to compare
+    assert "Ratios to the first target" in terminal_report(summary)
+    write_outputs(str(tmp_path), summary, results)
+    report = (tmp_path / "report.md").read_text()
+    assert "## Throughput (output tokens/s)" in report and "pagedserve bench --test" in report
+    assert "## Memory" in report and "HTTP 401" in report
+    pngs = sorted(os.listdir(tmp_path / "plots"))
+    assert pngs == ["latency_cdf_mixed.png", "latency_cdf_short.png", "scaling_mixed.png", "scaling_short.png",
+                    "ttft_vs_input_len.png"]
+    assert all(f"plots/{name}" in report for name in pngs)
+    assert len(os.listdir(tmp_path / "requests")) == len(results)
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["results"][0]["ttft_ms"].keys() >= {"mean", "p50", "p90", "p99"}
+
+
+def test_cli_parsing():
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--target", "x=http://h:1", "--target", "http://h:2/v1,pid=12", "--concurrency", "1,4",
+                              "16", "--request-rate", "2,inf", "--burstiness", "0.5", "--workload", "short,mixed"])
+    points = cli.build_points(args)
+    assert [p.label for p in points] == ["c=1", "c=4", "c=16", "rate=2,b=0.5", "rate=inf,b=0.5"]
+    targets = cli.build_targets(args.target)
+    assert [(t.name, t.base_url, t.pid) for t in targets] == [("x", "http://h:1", None), ("h:2", "http://h:2", 12)]
+    assert [t.name for t in cli.build_targets(["http://h:1", "http://h:1"])] == ["h:1", "h:1#2"]
+    with pytest.raises(ValueError):
+        Target.parse("http://h:1,colour=blue")
+    bad = parser.parse_args(["--workload", "nope"])
+    assert cli.main(bad) == 2
+
+
+# ---- against a real pagedserve server ---------------------------------------------------------
+
+def _remote_server():
+    try:
+        from tests.utils import RemoteServer
+    except ImportError:
+        from utils import RemoteServer
+    return RemoteServer
+
+
+API_KEY = "bench-secret"
+
+
+@pytest.fixture(scope="module")
+def server():
+    remote_server = _remote_server()
+    with remote_server(["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--api-key", API_KEY],
+                       api_key=API_KEY) as running:
+        yield running
+
+
+def _bench(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return cli.main(parser.parse_args(argv + ["--no-progress"]))
+
+
+def _requests(directory, target: str, workload: str, point: str) -> list[dict]:
+    return json.loads((directory / "requests" / f"{target}__{workload}__{point}.json").read_text())["requests"]
+
+
+@pytest.mark.slow
+def test_bench_against_server_fields_tokens_failures_report(server, tmp_path):
+    code = _bench([
+        "--target", f"paged={server.url},api_key={API_KEY},pid={server.pid}",
+        "--target", f"wrongkey={server.url},api_key=not-the-key",
+        "--workload", "short", "--output-len", "8", "--concurrency", "1,4", "--num-prompts", "6",
+        "--ignore-eos", "--slo", "ttft:60s,tpot:10s", "--price-per-hour", "1.5", "--memory-interval", "0.2",
+        "--output-dir", str(tmp_path),
+    ])
+    assert code == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "--workload short" in summary["command"] or "short" in summary["settings"]["workloads"]
+    records = {(r["target"], r["point"]): r for r in summary["results"]}
+    assert set(records) == {("paged", "c=1"), ("wrongkey", "c=1"), ("paged", "c=4"), ("wrongkey", "c=4")}
+    for point in ("c=1", "c=4"):
+        record = records[("paged", point)]
+        for field in SUMMARY_FIELDS:
+            assert field in record, field
+        assert record["completed"] == 6 and record["failed"] == 0 and record["usage_reported"]
+        assert record["total_output_tokens"] == 6 * 8 and record["total_input_tokens"] == 6 * 50
+        for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            stats = record[name]
+            assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["max"], (name, stats)
+        assert record["ttft_ms"]["mean"] <= record["e2el_ms"]["mean"]
+        assert record["output_throughput"] == pytest.approx(48 / record["duration_s"])
+        assert record["peak_rss_bytes"] > 100 * 2**20 and record["rss_source"].startswith("psutil")
+        assert 0 < record["memory_efficiency"] <= 1
+        assert record["peak_kv_usage"] is not None and 0 <= record["avg_kv_usage"] <= record["peak_kv_usage"] <= 1
+        assert record["goodput"] == pytest.approx(record["request_throughput"])
+        assert record["cost_per_1k_output_tokens"] == pytest.approx(1.5 * record["duration_s"] / 3600 / 0.048)
+        for request in _requests(tmp_path, "paged", "short", point):
+            assert request["success"] and request["usage_reported"]
+            assert request["prompt_len"] == request["expected_prompt_len"] == 50  # our count == server usage
+            assert request["output_tokens"] == request["expected_output_len"] == 8
+            assert 0 < request["num_chunks"] <= 8 and request["generated_text"]
+            assert request["latency"] >= request["ttft"] > 0
+            assert len(request["itl"]) == request["num_chunks"] - 1
+        bad = records[("wrongkey", point)]
+        assert bad["completed"] == 0 and bad["failed"] == 6 and bad["failures"] == {"HTTP 401": 6}
+    assert [c["target"] for c in summary["comparisons"]] == []  # nothing to compare with a dead target
+    report = (tmp_path / "report.md").read_text()
+    assert "## Throughput (output tokens/s)" in report and "HTTP 401" in report
+    assert {"scaling_short.png", "latency_cdf_short.png", "ttft_vs_input_len.png"} <= set(os.listdir(tmp_path / "plots"))
+
+
+@pytest.mark.slow
+def test_bench_chat_endpoint_counts_the_template(server, tmp_path):
+    code = _bench(["--target", f"{server.url},api_key={API_KEY}", "--endpoint", "chat", "--workload", "random",
+                   "--input-len", "60", "--output-len", "4", "--num-prompts", "3", "--num-warmups", "0",
+                   "--ignore-eos", "--output-dir", str(tmp_path)])
+    assert code == 0
+    name = server.url.split("://")[1].replace(":", "_")
+    requests = _requests(tmp_path, name, "random", "c=1")
+    assert all(r["success"] and r["prompt_len"] == r["expected_prompt_len"] == 60 for r in requests)
+
+
+@pytest.mark.slow
+def test_bench_counts_too_long_prompts_as_failures(server, tmp_path):
+    code = _bench(["--target", f"paged={server.url},api_key={API_KEY}", "--workload", "random", "--input-len", "600",
+                   "--output-len", "4", "--num-prompts", "4", "--num-warmups", "0", "--output-dir", str(tmp_path)])
+    assert code == 1  # every request failed
+    record = json.loads((tmp_path / "summary.json").read_text())["results"][0]
+    assert record["completed"] == 0 and record["failed"] == 4 and record["failures"] == {"HTTP 400": 4}
+    assert "maximum context length" in record["failure_examples"]["HTTP 400"]
+
+
+@pytest.mark.slow
+def test_open_loop_arrivals_follow_the_rate(server, tmp_path):
+    rate, num = 8.0, 32
+    code = _bench(["--target", f"paged={server.url},api_key={API_KEY}", "--workload", "random", "--input-len", "16",
+                   "--output-len", "2", "--request-rate", str(rate), "--num-prompts", str(num), "--seed", "3",
+                   "--output-dir", str(tmp_path)])
+    assert code == 0
+    requests = sorted(_requests(tmp_path, "paged", "random", f"rate={rate:g}"), key=lambda r: r["scheduled_time"])
+    assert len(requests) == num and all(r["success"] for r in requests)
+    scheduled = np.array([r["scheduled_time"] for r in requests])
+    gaps = np.diff(scheduled)
+    # Poisson arrivals: gaps ~ Exp(rate); their mean is within 4 standard errors of 1/rate
+    assert abs(gaps.mean() - 1 / rate) < 4 * (1 / rate) / math.sqrt(len(gaps))
+    sent = np.array([r["start_time"] for r in requests])
+    lag = sent - scheduled
+    assert (lag >= -1e-3).all()  # no request leaves before the arrival process says
+    assert abs(np.diff(sent).mean() - 1 / rate) < 4 * (1 / rate) / math.sqrt(len(gaps)) + 0.05
+
+
+@pytest.mark.slow
+def test_side_by_side_with_hf_engine(server, tmp_path):
+    remote_server = _remote_server()
+    with remote_server(["--engine", "hf", "--max-model-len", "512"]) as hf:
+        code = _bench(["--target", f"paged={server.url},api_key={API_KEY}", "--target", f"hf={hf.url},pid={hf.pid}",
+                       "--workload", "short", "--output-len", "4", "--concurrency", "2", "--num-prompts", "2",
+                       "--ignore-eos", "--output-dir", str(tmp_path)])
+    assert code == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(r["target"], r["completed"]) for r in summary["results"]] == [("paged", 2), ("hf", 2)]
+    assert summary["results"][1]["total_output_tokens"] == 8
+    assert [c["target"] for c in summary["comparisons"]] == ["hf"]
+    assert "(" in (tmp_path / "report.md").read_text().split("## Latency")[0]  # throughput ratio shown
+
+
+def test_duration_window_cuts_off_running_requests(factory):
+    """--duration with --drain-timeout 0: requests still streaming at the end are 'incomplete', not failures."""
+    options = BenchOptions(num_prompts=None, duration=0.6, drain_timeout=0.0, num_warmups=1, progress=False,
+                           memory_interval=0.1)
+    point = LoadPoint(concurrency=2)
+    results, _ = asyncio.run(run_sweep([Target.parse("http://fake")], ["short"], [point], options, factory, 5,
+                                       {"output_len_override": 40}, transport=_fake_server(delay=0.02)))
+    record = results[0].record
+    # each request takes ~0.8 s: nothing completes inside 0.6 s, both in-flight requests are cut off
+    assert record["completed"] == 0 and record["failed"] == 0 and record["incomplete"] == 2
+    assert 0.55 < record["duration_s"] < 5.0
+    assert all(o.error_reason == "incomplete" for o in results[0].outputs)
+    # the tokens streamed inside the window still count as delivered throughput
+    assert record["incomplete_output_tokens"] > 0
+    assert record["output_throughput"] == pytest.approx(record["incomplete_output_tokens"] / record["duration_s"])
+    assert len(results[0].warmup_outputs) == 1 and results[0].warmup_outputs[0].output_tokens == 16
+
+
+def test_duration_window_counts_what_finished(factory):
+    options = BenchOptions(num_prompts=None, duration=0.5, num_warmups=0, progress=False, memory_interval=0.1)
+    results, _ = asyncio.run(run_sweep([Target.parse("http://fake")], ["short"], [LoadPoint(concurrency=3)], options,
+                                       factory, 6, {"output_len_override": 3}, transport=_fake_server(delay=0.01)))
+    record = results[0].record
+    assert record["completed"] >= 6 and record["failed"] == 0 and record["incomplete"] == 0
+    assert record["total_output_tokens"] == 3 * record["completed"]
