@@ -1,0 +1,229 @@
+"""AsyncLLM: the async front end of an engine core. ``generate()`` streams delta RequestOutputs.
+
+One output-handler task pulls batches from the core client, runs the OutputProcessor
+(detokenize, stop strings) and drops each request's output into its one-slot collector.
+A request whose consumer goes away (CancelledError / GeneratorExit) is aborted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+
+from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
+from pagedserve.engine.messages import EngineCoreRequest, ModelInfo, SchedulerStats
+from pagedserve.engine.output_processor import IterationStats, OutputProcessor
+from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_CHUNK_SIZE = 256  # outputs processed before yielding to the event loop
+
+
+class RequestOutputCollector:
+    """A one-slot mailbox per request: a newer delta is merged into an unread one."""
+
+    __slots__ = ("_output", "_ready")
+
+    def __init__(self) -> None:
+        self._output: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: RequestOutput | BaseException) -> None:
+        current = self._output
+        if current is None or isinstance(output, BaseException):
+            self._output = output
+            self._ready.set()
+        elif isinstance(current, RequestOutput):
+            _merge_into(current, output)
+
+    async def get(self) -> RequestOutput:
+        while self._output is None:
+            await self._ready.wait()
+        return self._take()
+
+    def get_nowait(self) -> RequestOutput | None:
+        return None if self._output is None else self._take()
+
+    def _take(self) -> RequestOutput:
+        output, self._output = self._output, None
+        self._ready.clear()
+        if isinstance(output, BaseException):
+            raise output
+        return output
+
+
+def _merge_into(current: RequestOutput, new: RequestOutput) -> None:
+    by_index = {c.index: c for c in current.outputs}
+    for completion in new.outputs:
+        old = by_index.get(completion.index)
+        if old is None:
+            current.outputs.append(completion)
+            by_index[completion.index] = completion
+            continue
+        _merge_completion(old, completion)
+    current.finished = new.finished
+    current.metrics = new.metrics
+    current.num_cached_tokens = new.num_cached_tokens
+    if current.prompt_logprobs is None:
+        current.prompt_logprobs = new.prompt_logprobs
+
+
+def _merge_completion(old: CompletionOutput, new: CompletionOutput) -> None:
+    old.text += new.text
+    old.token_ids = old.token_ids + new.token_ids
+    if new.logprobs is not None:
+        old.logprobs = (old.logprobs or []) + new.logprobs
+    old.finish_reason = new.finish_reason
+    old.stop_reason = new.stop_reason
+
+
+class AsyncLLM:
+    """Front end of one engine core: request registry, output handler task, stats hooks."""
+
+    def __init__(
+        self,
+        core: EngineCoreClient,
+        stat_observers: list[Callable[[IterationStats], None]] | None = None,
+    ) -> None:
+        self.core = core
+        self.model_info: ModelInfo = core.model_info
+        self.tokenizer = self.model_info.tokenizer
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
+        self.stat_observers = list(stat_observers or [])
+        self._collectors: dict[str, RequestOutputCollector] = {}
+        self._handler_task: asyncio.Task | None = None
+        self._dead_error: BaseException | None = None
+        self._dead_callbacks: list[Callable[[BaseException], None]] = []
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        await self.core.start()
+        if self._handler_task is None:
+            self._handler_task = asyncio.create_task(self._run_output_handler(), name="output-handler")
+
+    async def shutdown(self) -> None:
+        task, self._handler_task = self._handler_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        for request_id in list(self._collectors):
+            await self.abort(request_id)
+        await self.core.shutdown()
+
+    def on_dead(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)`` once if the engine core dies."""
+        self._dead_callbacks.append(callback)
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead_error is not None or self.core.is_dead
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._collectors)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.core.get_stats()
+
+    # ----------------------------------------------------------------- requests
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield delta RequestOutputs until the request finishes; abort it if the caller goes away.
+
+        Raises ValueError if the engine refuses the request, EngineDeadError if the core died.
+        """
+        if self.is_dead:
+            raise EngineDeadError("the engine core is dead")
+        arrival_time = time.monotonic()
+        collector = RequestOutputCollector()
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, arrival_time, cumulative=False)
+        self._collectors[request_id] = collector
+        request = EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time, priority)
+        finished = False
+        try:
+            await self.core.add_request(request)
+            while not finished:
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
+                yield output
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:
+                await self.abort(request_id)
+            raise
+        except BaseException:
+            if not finished:
+                await self.abort(request_id)
+            raise
+        finally:
+            self._collectors.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request: forget it here and free its KV blocks in the core.
+
+        A consumer still waiting in ``generate()`` gets a final, empty ``finished`` output.
+        """
+        collector = self._collectors.pop(request_id, None)
+        final = self.output_processor.abort_request(request_id)
+        if final is not None:
+            self._emit_stats()
+            if collector is not None:
+                collector.put(final)
+        if not self.core.is_dead:
+            await self.core.abort_requests([request_id])
+
+    # ----------------------------------------------------------------- output handler
+    async def _run_output_handler(self) -> None:
+        core = self.core
+        processor = self.output_processor
+        collectors = self._collectors
+        try:
+            while True:
+                outputs = await core.get_outputs()
+                for start in range(0, len(outputs), OUTPUT_CHUNK_SIZE):
+                    if start:
+                        await asyncio.sleep(0)
+                    processed = processor.process_outputs(outputs[start:start + OUTPUT_CHUNK_SIZE])
+                    for request_output in processed.request_outputs:
+                        collector = collectors.get(request_output.request_id)
+                        if collector is not None:
+                            collector.put(request_output)
+                    if processed.samples_to_stop:
+                        await core.stop_samples(processed.samples_to_stop)
+                self._emit_stats()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the core is gone; fail every request
+            self._fail_all(exc)
+
+    def _emit_stats(self) -> None:
+        stats = self.output_processor.take_iteration_stats()
+        if stats.is_empty:
+            return
+        for observer in self.stat_observers:
+            observer(stats)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"the engine core died: {exc!r}")
+        if not isinstance(exc, EngineDeadError):
+            logger.exception("output handler failed", exc_info=exc)
+        self._dead_error = error
+        for collector in list(self._collectors.values()):
+            collector.put(error)
+        for callback in self._dead_callbacks:
+            try:
+                callback(error)
+            except Exception:  # noqa: BLE001
+                logger.exception("engine-dead callback failed")
+
+
+__all__ = ["AsyncLLM", "RequestOutputCollector"]

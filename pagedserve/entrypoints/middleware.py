@@ -1,0 +1,262 @@
+"""Pure-ASGI middlewares (no BaseHTTPMiddleware: it breaks streaming and disconnect detection):
+server state (ready / draining / in-flight count), timing headers, body size limit, API keys
+(constant-time) and a per-key-or-IP token-bucket rate limit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import secrets
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedserve.entrypoints.openai.errors import APIError, error_response
+
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/info", "/docs", "/redoc", "/openapi.json",
+                        "/docs/oauth2-redirect", "/load"})
+GUARDED_EXACT = frozenset({"/", "/tokenize", "/detokenize", "/generate", "/generate_stream", "/invocations"})
+
+
+def is_guarded_path(path: str) -> bool:
+    """Inference and tokenizer routes: what API keys and the rate limit apply to."""
+    return path in GUARDED_EXACT or path.startswith("/v1/") or path == "/v1"
+
+
+async def _send_error(scope: Scope, send: Send, error: APIError) -> None:
+    response = error_response(error, scope.get("path", ""))
+    await response(scope, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+@dataclass(slots=True)
+class ServerState:
+    """Shared between the lifecycle code and the middleware (one event loop, no locks)."""
+
+    ready: bool = False
+    draining: bool = False
+    in_flight: int = 0
+    on_reject: Callable[[str], None] | None = None
+
+
+class ServerStateMiddleware:
+    """503 for work while starting or draining; counts in-flight HTTP requests for the drain."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = self.state
+        if is_guarded_path(scope["path"]) and (state.draining or not state.ready):
+            reason = "shutting down" if state.draining else "starting up (loading and warming up the model)"
+            await _send_error(scope, send, APIError(f"The server is {reason}; retry later.", 503,
+                                                    code="service_unavailable", headers={"Retry-After": "1"}))
+            return
+        state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            state.in_flight -= 1
+
+
+class TimingMiddleware:
+    """Adds ``X-Request-Id`` (echoed or generated) and ``X-Process-Time`` (seconds to the response start)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        request_id = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                request_id = value[:128]
+                break
+        if request_id is None:
+            request_id = uuid.uuid4().hex.encode()
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                headers.append((b"x-request-id", request_id))
+                headers.append((b"x-process-time", f"{time.perf_counter() - start:.6f}".encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over ``max_bytes``: by Content-Length up front, else by counting streamed bytes."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, max_headers: int = 100) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.max_headers = max_headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = scope["headers"]
+        if len(headers) > self.max_headers:
+            await _send_error(scope, send, APIError(f"Too many request headers (more than {self.max_headers}).", 431))
+            return
+        length = None
+        for name, value in headers:
+            if name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    await _send_error(scope, send, APIError("Invalid Content-Length header.", 400))
+                    return
+                break
+        if length is not None and length > self.max_bytes:
+            await _send_error(scope, send, self._too_large())
+            return
+        if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            receive = await self._buffer_body(scope, receive, send)
+            if receive is None:
+                return
+        await self.app(scope, receive, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(f"Request body too large: the limit is {self.max_bytes} bytes.", 413,
+                        code="request_too_large")
+
+    async def _buffer_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
+        """Read a body of unknown length, counting bytes; replay it to the app, then pass through."""
+        chunks = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body = message.get("body", b"")
+            total += len(body)
+            if total > self.max_bytes:
+                await _send_error(scope, send, self._too_large())
+                return None
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay_receive() -> Message:
+            if replay:
+                return replay.pop()
+            return await receive()
+
+        return replay_receive
+
+
+class APIKeyMiddleware:
+    """401 unless ``Authorization: Bearer <key>`` matches one of the keys (compared in constant time)."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+        self.app = app
+        self._digests = [hashlib.sha256(key.encode()).digest() for key in api_keys]
+
+    def _authorized(self, header: bytes | None) -> bool:
+        if header is None:
+            return False
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        digest = hashlib.sha256(token.strip()).digest()
+        matched = False
+        for expected in self._digests:  # NOTE: no early exit, so timing does not reveal which key matched
+            matched |= secrets.compare_digest(digest, expected)
+        return matched
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not is_guarded_path(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if not self._authorized(header):
+            error = APIError("Invalid or missing API key. Pass it as 'Authorization: Bearer <key>'.", 401,
+                             code="invalid_api_key", type="invalid_request_error",
+                             headers={"WWW-Authenticate": "Bearer"})
+            await _send_error(scope, send, error)
+            return
+        await self.app(scope, receive, send)
+
+
+_PERIODS = {"second": 1.0, "s": 1.0, "minute": 60.0, "m": 60.0, "min": 60.0, "hour": 3600.0, "h": 3600.0,
+            "day": 86400.0, "d": 86400.0}
+
+
+def parse_rate_limit(text: str) -> tuple[int, float]:
+    """``60/minute`` -> (60, 60.0). Also ``10/second``, ``1000/hour``, ``5/s``."""
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d*)\s*([a-zA-Z]+)\s*", text)
+    if not match or match.group(3).lower() not in _PERIODS or int(match.group(1)) <= 0:
+        raise ValueError(f"cannot parse rate limit {text!r}; use e.g. 60/minute, 10/second or 1000/hour")
+    multiple = int(match.group(2)) if match.group(2) else 1
+    return int(match.group(1)), _PERIODS[match.group(3).lower()] * multiple
+
+
+class RateLimitMiddleware:
+    """Token bucket per API key (when given) or client IP on the guarded routes; 429 + Retry-After."""
+
+    MAX_CLIENTS = 100_000
+
+    def __init__(self, app: ASGIApp, limit: int, period_s: float,
+                 on_reject: Callable[[str], None] | None = None) -> None:
+        self.app = app
+        self.capacity = float(limit)
+        self.rate = limit / period_s  # tokens per second
+        self.on_reject = on_reject
+        self._buckets: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # key -> (tokens, last time)
+
+    def _client_key(self, scope: Scope) -> bytes:
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if header:
+            return b"key:" + hashlib.sha256(header).digest()
+        client = scope.get("client")
+        return b"ip:" + (client[0].encode() if client else b"unknown")
+
+    def _take(self, key: bytes) -> float:
+        """Take one token; 0.0 if allowed, else the seconds until one is available."""
+        now = time.monotonic()
+        tokens, last = self._buckets.pop(key, (self.capacity, now))
+        tokens = min(self.capacity, tokens + (now - last) * self.rate)
+        wait = 0.0
+        if tokens >= 1.0:
+            tokens -= 1.0
+        else:
+            wait = (1.0 - tokens) / self.rate
+        self._buckets[key] = (tokens, now)
+        if len(self._buckets) > self.MAX_CLIENTS:
+            self._buckets.popitem(last=False)
+        return wait
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not is_guarded_path(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        wait = self._take(self._client_key(scope))
+        if wait > 0.0:
+            if self.on_reject is not None:
+                self.on_reject("rate_limited")
+            error = APIError("Rate limit exceeded; retry later.", 429, code="rate_limit_exceeded",
+                             type="rate_limit_error", headers={"Retry-After": str(max(1, math.ceil(wait)))})
+            await _send_error(scope, send, error)
+            return
+        await self.app(scope, receive, send)

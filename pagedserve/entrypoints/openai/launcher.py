@@ -1,0 +1,188 @@
+"""Serving the app: bind early, load the engine, run uvicorn, drain on SIGTERM, and exit non-zero
+when the engine core dies. ``run_server`` is ``pagedserve serve``'s composition root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import logging
+import signal
+import socket
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from pagedserve import __version__
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.core_client import EngineCoreClient
+from pagedserve.entrypoints.middleware import ServerState, parse_rate_limit
+from pagedserve.entrypoints.openai.api_server import ServerOptions, build_app
+from pagedserve.entrypoints.openai.serving_engine import ServingConfig
+
+logger = logging.getLogger("pagedserve.server")
+
+ENGINE_DEATH_EXIT_DELAY_S = 1.0  # let in-flight 500s reach their clients before exiting
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with a draining SIGTERM: refuse new work, let in-flight requests finish, then exit."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.app = app
+        self.shutdown_timeout = shutdown_timeout
+        self.exit_code = 0
+        self._drain_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        state: ServerState = self.app.state.server_state
+        if state.draining or self._loop is None or self.shutdown_timeout <= 0:
+            if state.draining:
+                self.force_exit = True  # a second signal: stop waiting
+            state.draining = True
+            self.should_exit = True
+            return
+        state.draining = True
+        logger.info("Received %s: refusing new requests, draining in-flight ones for up to %.0f s",
+                    signal.Signals(sig).name, self.shutdown_timeout)
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        state: ServerState = self.app.state.server_state
+        engine: AsyncLLM = self.app.state.engine
+        deadline = time.monotonic() + self.shutdown_timeout
+        while time.monotonic() < deadline and (state.in_flight > 0 or engine.num_unfinished_requests > 0):
+            await asyncio.sleep(0.05)
+        if engine.num_unfinished_requests:
+            logger.warning("Drain timeout: aborting %d unfinished requests", engine.num_unfinished_requests)
+        self.should_exit = True
+
+    def on_engine_dead(self, error: BaseException) -> None:
+        logger.error("The engine core died (%s); /health now answers 503 and the server exits", error)
+        self.exit_code = 1
+        if self._loop is not None:
+            self._loop.call_later(ENGINE_DEATH_EXIT_DELAY_S, self._exit_now)
+
+    def _exit_now(self) -> None:
+        self.should_exit = True
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets=sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        # NOTE: signals are handled by serve_app through the event loop; uvicorn's own handler
+        # would re-raise SIGTERM after the drain and turn a clean exit into a signal death.
+        yield
+
+    def fatal(self, message: str) -> None:
+        logger.error("%s; exiting", message)
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so a busy port fails fast."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve_app(app: FastAPI, sock: socket.socket, shutdown_timeout: float, max_header_bytes: int,
+                    log_level: str = "info", access_log: bool = True) -> int:
+    """Serve until SIGTERM/SIGINT (drained) or engine death; return the process exit code."""
+    config = uvicorn.Config(
+        app, http="h11", lifespan="on", log_level=log_level, access_log=access_log,
+        h11_max_incomplete_event_size=max_header_bytes, timeout_keep_alive=5,
+        timeout_graceful_shutdown=max(1, int(min(shutdown_timeout, 5))), log_config=None,
+    )
+    server = _Server(config, app, shutdown_timeout)
+    app.state.engine.on_dead(server.on_engine_dead)
+    app.state.on_fatal = server.fatal
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.handle_exit, sig, None)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    if not server.started and server.exit_code == 0:
+        return 1
+    return server.exit_code
+
+
+def make_core(args: argparse.Namespace) -> EngineCoreClient:
+    from pagedserve.entrypoints.cli_args import engine_config_from_args
+
+    config = engine_config_from_args(args)
+    if args.engine == "hf":
+        from pagedserve.engine.hf_core import HFEngineCoreClient
+
+        return HFEngineCoreClient(config)
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.threaded_client import ThreadedEngineCoreClient
+
+    return ThreadedEngineCoreClient(LLMEngine.from_config(config))
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """``pagedserve serve``: the composition root of the server process. Returns the exit code."""
+    from pagedserve.entrypoints.cli_args import api_keys_from_args
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options = ServerOptions(
+        api_keys=api_keys_from_args(args),
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+        rate_limit=args.rate_limit,
+        max_request_bytes=args.max_request_bytes,
+        log_stats_interval=args.log_stats_interval,
+    )
+    if options.rate_limit:
+        parse_rate_limit(options.rate_limit)  # fail before loading the model
+    sock = bind_socket(args.host, args.port)
+    load_start = time.perf_counter()
+    core = make_core(args)
+    info = core.model_info
+    names = args.served_model_name or [info.model_name]
+    serving_config = ServingConfig(
+        served_model_names=names,
+        model_path=args.model or info.model_name,
+        max_logprobs=args.max_logprobs,
+        request_timeout=args.request_timeout or None,
+        max_queued_requests=None if args.max_queued_requests < 0 else args.max_queued_requests,
+        max_running_requests=args.max_num_seqs if info.engine_name == "paged" else 1,
+    )
+    engine = AsyncLLM(core)
+    app = build_app(engine, serving_config, options, model_dtype=getattr(core, "dtype", None))
+    url = f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{sock.getsockname()[1]}"
+    app.state.on_ready = functools.partial(_print_banner, url, info, names, options, time.perf_counter() - load_start)
+    return asyncio.run(serve_app(app, sock, args.shutdown_timeout, args.max_header_bytes, args.log_level,
+                                 not args.disable_access_log))
+
+
+def _print_banner(url: str, info: Any, names: list[str], options: ServerOptions, load_s: float) -> None:
+    kv = (f"{info.num_kv_blocks} blocks x {info.block_size} tokens = {info.num_kv_blocks * info.block_size} tokens"
+          if info.num_kv_blocks else "not paged (--engine hf)")
+    lines = [
+        f"pagedserve {__version__} serving {names[0]!r} ({info.engine_name} engine) on {url}",
+        f"  OpenAI API: {url}/v1   TGI API: {url}/generate   docs: {url}/docs   metrics: {url}/metrics",
+        f"  context: {info.max_model_len} tokens   KV cache: {kv}",
+        f"  API key: {'required' if options.api_keys else 'none'}   model loaded in {load_s:.1f} s",
+    ]
+    logger.info("\n%s", "\n".join(lines))

@@ -1,0 +1,187 @@
+"""OpenAIServingChat: POST /v1/chat/completions: chat template -> tokens -> generate -> message or SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+
+from starlette.responses import Response
+
+from pagedserve.engine.core_client import EngineDeadError
+from pagedserve.entrypoints.openai.errors import APIError, bad_request, json_response
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedserve.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    PreparedPrompt,
+    clamp_logprob,
+    random_id,
+    sse,
+    timeout_error,
+    usage,
+)
+from pagedserve.entrypoints.openai.sse import SSEResponse
+from pagedserve.outputs import TokenLogprob
+from pagedserve.sampling_params import SamplingParams
+
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
+        model_name = self.check_model(request.model)
+        self.check_engine_alive()
+        self.reject_unsupported(request)
+        self._reject_tools(request)
+        num_top = self._check_chat_logprobs(request)
+        self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        prompt = await self.prepare_chat_prompt(request)
+        requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        max_tokens = self.resolve_max_tokens(len(prompt.token_ids), requested, None)
+        params = self.make_sampling_params(request, max_tokens, num_top, request.prompt_logprobs)
+        request_id = random_id("chatcmpl")
+        self.admission.acquire()
+        if request.stream:
+            stream = self._stream(request, request_id, model_name, prompt, params, num_top)
+            return SSEResponse(stream, on_close=self.admission.release)
+        try:
+            result = await self.collect(self.generate(prompt, params, request_id, request.priority))
+        finally:
+            self.admission.release()
+        echo = self._echo_text(request)
+        choices = []
+        for completion in sorted(result.outputs, key=lambda c: c.index):
+            choices.append({
+                "index": completion.index,
+                "message": {"role": "assistant", "content": echo + completion.text, "tool_calls": []},
+                "logprobs": self.chat_logprobs(completion.token_ids, completion.logprobs, num_top)
+                if num_top is not None else None,
+                "finish_reason": completion.finish_reason.value if completion.finish_reason else None,
+                "stop_reason": completion.stop_reason,
+            })
+        body = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "usage": usage(len(prompt.token_ids), sum(len(c.token_ids) for c in result.outputs),
+                           result.num_cached_tokens),
+        }
+        if request.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs_json(prompt.token_ids, result.prompt_logprobs)
+        return json_response(body)
+
+    # ----------------------------------------------------------------- preparation
+    async def prepare_chat_prompt(self, request: ChatCompletionRequest) -> PreparedPrompt:
+        text = self.apply_chat_template(
+            request.messages, request.add_generation_prompt, request.continue_final_message,
+            request.chat_template, request.chat_template_kwargs, request.documents,
+        )
+        token_ids = await self.tokenize(text, request.add_special_tokens)
+        token_ids = self.truncate_prompt(token_ids, request.truncate_prompt_tokens)
+        self.check_token_ids(token_ids, "messages")
+        return PreparedPrompt(token_ids, text)
+
+    @staticmethod
+    def _reject_tools(request: ChatCompletionRequest) -> None:
+        if request.functions or request.function_call not in (None, "none"):
+            raise bad_request("Function calling is not supported by this server.", "functions")
+        if request.tools and request.tool_choice not in ("none",):
+            raise bad_request("Tool calling is not supported by this server; omit `tools` or set "
+                              "`tool_choice` to \"none\".", "tools")
+
+    def _check_chat_logprobs(self, request: ChatCompletionRequest) -> int | None:
+        """The number of top logprobs to return per token, or None when logprobs are off."""
+        top = request.top_logprobs
+        if top is not None:
+            if top < 0:
+                raise bad_request("`top_logprobs` must be a non-negative value.", "top_logprobs")
+            if top > 0 and not request.logprobs:
+                raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+            self.check_logprobs(top, "top_logprobs")
+        return (top or 0) if request.logprobs else None
+
+    @staticmethod
+    def _echo_text(request: ChatCompletionRequest) -> str:
+        if not request.echo or not request.messages:
+            return ""
+        last = request.messages[-1]
+        if last.role != "assistant" or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "\n".join(part.text or "" for part in last.content)
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None, num_top: int) -> dict:
+        content = []
+        for token_id, entry in zip(token_ids, logprobs or []):
+            text = self.token_str(token_id)
+            content.append({
+                "token": text,
+                "logprob": clamp_logprob(entry.logprob),
+                "bytes": list(text.encode("utf-8", errors="replace")),
+                "top_logprobs": [
+                    {"token": (alt := self.token_str(t)), "logprob": clamp_logprob(lp),
+                     "bytes": list(alt.encode("utf-8", errors="replace"))}
+                    for t, lp in entry.top[:num_top]
+                ],
+            })
+        return {"content": content}
+
+    # ----------------------------------------------------------------- streaming
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, model_name: str,
+                      prompt: PreparedPrompt, params: SamplingParams,
+                      num_top: int | None) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_name}
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous = include_usage and bool(request.stream_options.continuous_usage_stats)
+        num_prompt_tokens = len(prompt.token_ids)
+        num_generated = 0
+        num_cached = 0
+        echo = self._echo_text(request)
+        try:
+            for index in range(request.n):
+                yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+                if echo:
+                    yield sse({**head, "choices": [{"index": index, "delta": {"content": echo},
+                                                    "logprobs": None, "finish_reason": None}]})
+            async with asyncio.timeout(self.config.request_timeout):
+                async for output in self.generate(prompt, params, request_id, request.priority):
+                    num_cached = output.num_cached_tokens
+                    for completion in output.outputs:
+                        num_generated += len(completion.token_ids)
+                        finish = completion.finish_reason
+                        has_logprobs = num_top is not None and completion.token_ids
+                        if not completion.text and finish is None and not has_logprobs:
+                            continue
+                        choice = {
+                            "index": completion.index,
+                            "delta": {"content": completion.text} if completion.text or finish is None else {},
+                            "logprobs": self.chat_logprobs(completion.token_ids, completion.logprobs, num_top)
+                            if num_top is not None else None,
+                            "finish_reason": finish.value if finish else None,
+                        }
+                        if finish is not None:
+                            choice["stop_reason"] = completion.stop_reason
+                        chunk = {**head, "choices": [choice]}
+                        if continuous:
+                            chunk["usage"] = usage(num_prompt_tokens, num_generated, None)
+                        yield sse(chunk)
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(num_prompt_tokens, num_generated, num_cached)})
+        except TimeoutError:
+            yield sse(timeout_error(self.config.request_timeout).openai_body())
+        except EngineDeadError as exc:
+            yield sse(APIError(f"The engine failed: {exc}", 500).openai_body())
+        except ValueError as exc:
+            yield sse(bad_request(str(exc)).openai_body())
+        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-stream, then end cleanly
+            logger.exception("stream failed")
+            yield sse(APIError(f"Internal server error: {exc!r}", 500).openai_body())
+        yield SSE_DONE

@@ -1,0 +1,218 @@
+"""OpenAIServingCompletion: POST /v1/completions (one or several prompts, streaming or not)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+
+from starlette.responses import Response
+
+from pagedserve.engine.core_client import EngineDeadError
+from pagedserve.entrypoints.openai.errors import APIError, bad_request, json_response
+from pagedserve.entrypoints.openai.protocol import CompletionRequest
+from pagedserve.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    PreparedPrompt,
+    clamp_logprob,
+    random_id,
+    sse,
+    timeout_error,
+    usage,
+)
+from pagedserve.entrypoints.openai.sse import SSEResponse, merge_async_iterators
+from pagedserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from pagedserve.sampling_params import SamplingParams
+
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest) -> Response:
+        model_name = self.check_model(request.model)
+        self.check_engine_alive()
+        self.reject_unsupported(request)
+        if request.suffix:
+            raise bad_request("suffix is not currently supported.", "suffix")
+        self.check_logprobs(request.logprobs, "logprobs")
+        self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        prompts = await self._prepare_prompts(request)
+        params = [self._params_for(request, prompt) for prompt in prompts]
+        request_id = random_id("cmpl")
+        self.admission.acquire(len(prompts))
+        if request.stream:
+            stream = self._stream(request, request_id, model_name, prompts, params)
+            return SSEResponse(stream, on_close=lambda: self.admission.release(len(prompts)))
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [
+                    group.create_task(self.collect(self.generate(p, sp, f"{request_id}-{i}", request.priority)))
+                    for i, (p, sp) in enumerate(zip(prompts, params))
+                ]
+        except* APIError as group_error:
+            raise group_error.exceptions[0] from None
+        finally:
+            self.admission.release(len(prompts))
+        results = [task.result() for task in tasks]
+        return json_response(self._response(request, request_id, model_name, prompts, results))
+
+    # ----------------------------------------------------------------- preparation
+    async def _prepare_prompts(self, request: CompletionRequest) -> list[PreparedPrompt]:
+        prompt = request.prompt
+        if prompt is None or prompt == "" or prompt == []:
+            raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif isinstance(prompt[0], int):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        prepared = []
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+                token_ids = await self.tokenize(item, request.add_special_tokens)
+                text = item
+            else:
+                token_ids, text = list(item), None
+            self.check_token_ids(token_ids)
+            token_ids = self.truncate_prompt(token_ids, request.truncate_prompt_tokens)
+            if text is None or request.truncate_prompt_tokens is not None:
+                text = self.tokenizer.decode(token_ids)
+            prepared.append(PreparedPrompt(token_ids, text))
+        return prepared
+
+    def _params_for(self, request: CompletionRequest, prompt: PreparedPrompt) -> SamplingParams:
+        explicit = "max_tokens" in request.model_fields_set
+        requested = request.max_tokens if explicit else None
+        max_tokens = self.resolve_max_tokens(len(prompt.token_ids), requested, None if explicit else 16)
+        prompt_logprobs = request.prompt_logprobs
+        if request.echo and request.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
+        return self.make_sampling_params(request, max_tokens, request.logprobs, prompt_logprobs)
+
+    # ----------------------------------------------------------------- non-streaming
+    def _response(self, request: CompletionRequest, request_id: str, model_name: str,
+                  prompts: list[PreparedPrompt], results: list[RequestOutput]) -> dict:
+        choices = []
+        num_prompt_tokens = num_generated = 0
+        for prompt_index, (prompt, result) in enumerate(zip(prompts, results)):
+            num_prompt_tokens += len(prompt.token_ids)
+            for completion in sorted(result.outputs, key=lambda c: c.index):
+                num_generated += len(completion.token_ids)
+                choices.append(self._choice(request, prompt, result, completion, prompt_index * request.n))
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "usage": usage(num_prompt_tokens, num_generated, sum(r.num_cached_tokens for r in results)),
+        }
+
+    def _choice(self, request: CompletionRequest, prompt: PreparedPrompt, result: RequestOutput,
+                completion: CompletionOutput, index_base: int) -> dict:
+        text = completion.text
+        token_ids = completion.token_ids
+        logprobs = completion.logprobs
+        if request.echo:
+            text = (prompt.text or "") + text
+            if request.logprobs is not None:
+                prompt_lps = result.prompt_logprobs or [None] * len(prompt.token_ids)
+                token_ids = prompt.token_ids + token_ids
+                logprobs = list(prompt_lps) + list(logprobs or [])
+        choice = {
+            "index": index_base + completion.index,
+            "text": text,
+            "logprobs": self.completion_logprobs(token_ids, logprobs, request.logprobs, 0)
+            if request.logprobs is not None else None,
+            "finish_reason": completion.finish_reason.value if completion.finish_reason else None,
+            "stop_reason": completion.stop_reason,
+        }
+        if request.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs_json(prompt.token_ids, result.prompt_logprobs)
+        return choice
+
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob | None] | None,
+                            num_top: int, text_offset: int) -> dict:
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        logprobs = logprobs or []
+        for i, token_id in enumerate(token_ids):
+            text = self.token_str(token_id)
+            tokens.append(text)
+            offsets.append(text_offset)
+            text_offset += len(text)
+            entry = logprobs[i] if i < len(logprobs) else None
+            if entry is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(clamp_logprob(entry.logprob))
+            top = {self.token_str(t): clamp_logprob(lp) for t, lp in entry.top[:num_top]} if num_top else {}
+            top.setdefault(text, clamp_logprob(entry.logprob))
+            top_logprobs.append(top)
+        return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens,
+                "top_logprobs": top_logprobs}
+
+    # ----------------------------------------------------------------- streaming
+    async def _stream(self, request: CompletionRequest, request_id: str, model_name: str,
+                      prompts: list[PreparedPrompt], params: list[SamplingParams]) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+        n = request.n
+        streams = [self.generate(p, sp, f"{request_id}-{i}", request.priority)
+                   for i, (p, sp) in enumerate(zip(prompts, params))]
+        echoed: set[int] = set()
+        offsets: dict[int, int] = {}
+        num_generated = [0] * len(prompts)
+        num_cached = [0] * len(prompts)
+        num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous = include_usage and bool(request.stream_options.continuous_usage_stats)
+        try:
+            async with asyncio.timeout(self.config.request_timeout):
+                async for prompt_index, output in merge_async_iterators(*streams):
+                    num_cached[prompt_index] = output.num_cached_tokens
+                    for completion in output.outputs:
+                        num_generated[prompt_index] += len(completion.token_ids)
+                        index = prompt_index * n + completion.index
+                        text = completion.text
+                        if request.echo and index not in echoed:
+                            echoed.add(index)
+                            text = (prompts[prompt_index].text or "") + text
+                        wants_logprobs = request.logprobs is not None and completion.token_ids
+                        if not text and completion.finish_reason is None and not wants_logprobs:
+                            continue
+                        logprobs = None
+                        if request.logprobs is not None:
+                            logprobs = self.completion_logprobs(completion.token_ids, completion.logprobs,
+                                                                request.logprobs, offsets.get(index, 0))
+                        offsets[index] = offsets.get(index, 0) + len(completion.text)
+                        chunk = {
+                            "id": request_id, "object": "text_completion", "created": created, "model": model_name,
+                            "choices": [{
+                                "index": index, "text": text, "logprobs": logprobs,
+                                "finish_reason": completion.finish_reason.value if completion.finish_reason else None,
+                                "stop_reason": completion.stop_reason,
+                            }],
+                        }
+                        if continuous:
+                            chunk["usage"] = usage(num_prompt_tokens, sum(num_generated), None)
+                        yield sse(chunk)
+            if include_usage:
+                yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model_name,
+                           "choices": [], "usage": usage(num_prompt_tokens, sum(num_generated), sum(num_cached))})
+        except TimeoutError:
+            yield sse(timeout_error(self.config.request_timeout).openai_body())
+        except EngineDeadError as exc:
+            yield sse(APIError(f"The engine failed: {exc}", 500).openai_body())
+        except ValueError as exc:
+            yield sse(bad_request(str(exc)).openai_body())
+        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-stream, then end cleanly
+            logger.exception("stream failed")
+            yield sse(APIError(f"Internal server error: {exc!r}", 500).openai_body())
+        yield SSE_DONE
+

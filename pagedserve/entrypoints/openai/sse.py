@@ -1,0 +1,67 @@
+"""Server-sent events: a streaming response that always cleans up, and a merge of several streams."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class SSEResponse(StreamingResponse):
+    """``text/event-stream`` response whose generator is closed (aborting its requests) and whose
+    ``on_close`` runs however the response ends: completed, client gone, or never started."""
+
+    def __init__(self, content: AsyncGenerator[str, None], on_close: Callable[[], None] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
+        self._generator = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._generator.aclose()
+            except RuntimeError:
+                pass  # still running in a cancelled task; its own cancellation cleans up
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
+                    self._on_close = None
+
+
+async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncGenerator[tuple[int, object], None]:
+    """Yield ``(i, item)`` from several async iterators as items arrive; close them all at the end."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, item
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+    finally:
+        for future in pending:
+            future.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        for it in iterators:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except RuntimeError:
+                    pass

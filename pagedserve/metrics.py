@@ -1,0 +1,176 @@
+"""Prometheus metrics with vLLM's names under the ``pagedserve:`` prefix, and the periodic stats log line.
+
+Engine state (queues, KV usage, prefix cache, preemptions) is read from the core's stats snapshot
+at scrape time; per-request counters and histograms are fed by the output handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+from pagedserve.engine.messages import SchedulerStats
+from pagedserve.engine.output_processor import IterationStats
+
+logger = logging.getLogger("pagedserve.stats")
+
+PREFIX = "pagedserve:"
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _EngineStateCollector:
+    """Gauges and counters read from the engine core's latest SchedulerStats at scrape time."""
+
+    def __init__(self, model_name: str, get_stats: Callable[[], SchedulerStats]) -> None:
+        self._model_name = model_name
+        self._get_stats = get_stats
+
+    def describe(self) -> list:
+        return []  # NOTE: unchecked collector; the names are fixed and cannot clash
+
+    def collect(self) -> Iterator:
+        stats = self._get_stats()
+        labels = ["model_name"]
+        value = [self._model_name]
+        for name, doc, number in (
+            ("num_requests_running", "Number of requests in model execution batches.", stats.num_running),
+            ("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
+            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
+        ):
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            gauge.add_metric(value, number)
+            yield gauge
+        for name, doc, number in (
+            ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+             stats.prefix_cache_queries),
+            ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits),
+            ("num_preemptions", "Cumulative number of preemptions from the engine.", stats.num_preemptions),
+        ):
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            counter.add_metric(value, number)
+            yield counter
+
+
+class Metrics:
+    """All of one server's metrics in their own registry (no process-global state)."""
+
+    def __init__(self, model_name: str, get_stats: Callable[[], SchedulerStats]) -> None:
+        self.model_name = model_name
+        self.registry = registry = CollectorRegistry()
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
+        registry.register(_EngineStateCollector(model_name, get_stats))
+        label = ["model_name"]
+
+        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
+            return Counter(PREFIX + name, doc, label + (extra or []), registry=registry)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=registry).labels(model_name)
+
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.").labels(model_name)
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.").labels(model_name)
+        self._request_success = counter("request_success", "Count of finished requests by finish reason.",
+                                        ["finished_reason"])
+        self._rejected = counter("request_rejected", "Requests refused before reaching the engine, by reason.",
+                                 ["reason"])
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.",
+                             LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Histogram of time spent in the WAITING phase for request.", LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens per request.",
+                                               TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Number of generation tokens per request.", TOKEN_BUCKETS)
+        self.request_params_n = histogram("request_params_n", "Histogram of the n request parameter.",
+                                          [1, 2, 5, 10, 20, 50, 100])
+        self.request_params_max_tokens = histogram("request_params_max_tokens",
+                                                   "Histogram of the max_tokens request parameter.", TOKEN_BUCKETS)
+        for reason in ("stop", "length", "abort"):
+            self._request_success.labels(model_name, reason)
+
+    def record(self, stats: IterationStats) -> None:
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        for value in stats.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in stats.inter_token_latencies:
+            self.itl.observe(value)
+        for finished in stats.finished_requests:
+            self._request_success.labels(self.model_name, finished.finish_reason.value).inc()
+            self.e2e.observe(finished.e2e_latency)
+            if finished.queue_time is not None:
+                self.queue_time.observe(max(finished.queue_time, 0.0))
+            self.request_prompt_tokens.observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.observe(finished.num_generation_tokens)
+            self.request_params_n.observe(finished.n)
+            if finished.max_tokens is not None:
+                self.request_params_max_tokens.observe(finished.max_tokens)
+
+    def record_rejected(self, reason: str) -> None:
+        self._rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class StatsLogLine:
+    """Accumulates token counts and logs one line per interval while the server is busy."""
+
+    def __init__(self, get_stats: Callable[[], SchedulerStats]) -> None:
+        self._get_stats = get_stats
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._last_time = time.monotonic()
+        self._last_queries = 0
+        self._last_hits = 0
+        self._was_busy = False
+
+    def record(self, stats: IterationStats) -> None:
+        self._num_prompt_tokens += stats.num_prompt_tokens
+        self._num_generation_tokens += stats.num_generation_tokens
+
+    def maybe_log(self) -> str | None:
+        """Log (and return) the line, unless the server was idle for the whole interval."""
+        now = time.monotonic()
+        elapsed = max(now - self._last_time, 1e-6)
+        stats = self._get_stats()
+        busy = bool(self._num_prompt_tokens or self._num_generation_tokens or stats.num_running or stats.num_waiting)
+        queries = stats.prefix_cache_queries - self._last_queries
+        hits = stats.prefix_cache_hits - self._last_hits
+        line = None
+        if busy or self._was_busy:
+            line = (
+                f"Avg prompt throughput: {self._num_prompt_tokens / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {self._num_generation_tokens / elapsed:.1f} tokens/s, "
+                f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+                f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
+                f"Prefix cache hit rate: {hits / queries * 100 if queries > 0 else 0.0:.1f}%"
+            )
+            logger.info("%s", line)
+        self._was_busy = busy
+        self._num_prompt_tokens = self._num_generation_tokens = 0
+        self._last_time = now
+        self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        return line

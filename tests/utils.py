@@ -1,0 +1,149 @@
+"""Test helpers: ``RemoteServer`` runs ``pagedserve serve`` as a real subprocess on a free local port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+DEFAULT_START_TIMEOUT_S = 240.0  # model load + warm-up take ~30-60 s on 2 cores; generous for busy CI
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RemoteServer:
+    """``with RemoteServer(["--max-num-seqs", "8"]) as server: ...``
+
+    Starts ``python -m pagedserve.cli serve <args> --host 127.0.0.1 --port <free>``, waits until
+    ``/health`` answers 200, exposes ``url``, ``base_url`` (``…/v1``), ``pid`` and the log, and
+    terminates the process (SIGTERM, then SIGKILL) on exit.
+    """
+
+    def __init__(self, args: list[str] | None = None, env: dict[str, str] | None = None,
+                 start_timeout: float = DEFAULT_START_TIMEOUT_S, api_key: str | None = None,
+                 launcher: list[str] | None = None) -> None:
+        self.args = list(args or [])
+        # what runs `pagedserve`: by default this interpreter's `-m pagedserve.cli`
+        self.launcher = list(launcher or [sys.executable, "-m", "pagedserve.cli"])
+        self.port = free_port()
+        self.host = "127.0.0.1"
+        self.url = f"http://{self.host}:{self.port}"
+        self.base_url = f"{self.url}/v1"
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.start_timeout = start_timeout
+        self.api_key = api_key
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="pagedserve-", suffix=".log", delete=False)
+        self.returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    @property
+    def log_path(self) -> str:
+        return self._log.name
+
+    def log_text(self) -> str:
+        with open(self._log.name, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def __enter__(self) -> RemoteServer:
+        cmd = [*self.launcher, "serve", *self.args, "--host", self.host, "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        try:
+            self.wait_until_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_until_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pagedserve exited with {self.proc.returncode} during start-up:\n"
+                                   f"{self.log_text()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"pagedserve not healthy after {self.start_timeout} s:\n{self.log_text()[-4000:]}")
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL; returns the exit code."""
+        if self.proc is None:
+            return self.returncode
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.returncode = self.proc.returncode
+        self._log.close()
+        return self.returncode
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def get(self, path: str, **kwargs: object) -> httpx.Response:
+        kwargs.setdefault("timeout", 60.0)
+        kwargs.setdefault("headers", self.headers())
+        return httpx.get(self.url + path, **kwargs)
+
+    def post(self, path: str, **kwargs: object) -> httpx.Response:
+        kwargs.setdefault("timeout", 120.0)
+        kwargs.setdefault("headers", self.headers())
+        return httpx.post(self.url + path, **kwargs)
+
+    def openai_client(self, **kwargs: object):
+        import openai
+
+        kwargs.setdefault("api_key", self.api_key or "EMPTY")
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("timeout", 120.0)
+        return openai.OpenAI(base_url=self.base_url, **kwargs)
+
+    def async_openai_client(self, **kwargs: object):
+        import openai
+
+        kwargs.setdefault("api_key", self.api_key or "EMPTY")
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("timeout", 120.0)
+        return openai.AsyncOpenAI(base_url=self.base_url, **kwargs)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {"name{labels}": value} plus {"name": value} for the first sample of each name."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_part, _, value = line.rpartition(" ")
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        values[name_part] = number
+        base = name_part.split("{", 1)[0]
+        values.setdefault(base, number)
+    return values
