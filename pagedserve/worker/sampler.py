@@ -5,8 +5,9 @@ Steps, in order, for a batch of rows ``[num_rows, vocab]``:
   2. logit_bias; ban EOS and stop token ids while ``min_tokens`` is not reached
   3. penalties: repetition (prompt and output tokens), presence and frequency (output tokens)
   4. greedy rows (temperature 0): argmax
-  5. random rows: temperature, top-k, top-p, min-p, then sample with the exponential race
-     (argmax of probs / Exp(1) noise), drawing noise from the row's own generator when seeded
+  5. random rows: temperature, top-k, top-p, min-p, then draw from the distribution
+     (``torch.multinomial``), from the row's own generator when seeded; top-k / nucleus sets that
+     fit in the best CANDIDATES tokens are handled there instead of sorting the whole vocabulary
   6. logprob, rank and top-N alternatives of each chosen token
 A batch of plain greedy rows takes a fast path (argmax only).
 """
@@ -45,7 +46,8 @@ class Sampler:
         if all(_is_plain_greedy(row) for row in rows):
             tokens = logits.max(dim=-1).indices  # NOTE: faster than argmax on CPU
         else:
-            logits = self._apply_processors(logits.clone(), rows)
+            if any(_needs_processing(row) for row in rows):
+                logits = self._apply_processors(logits.clone(), rows)
             tokens = self._sample(logits, rows)
         token_list = tokens.tolist()
         if raw_logprobs is None:
@@ -75,19 +77,86 @@ class Sampler:
         if not random_rows:
             return greedy_tokens
         index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
-        sub = logits.index_select(0, index)  # [num_random, vocab]
         temperature = torch.tensor(
-            [rows[i].params.temperature for i in random_rows], dtype=sub.dtype, device=sub.device
+            [rows[i].params.temperature for i in random_rows], dtype=logits.dtype, device=logits.device
         ).unsqueeze(1)
-        sub = sub / temperature
-        sub = _top_k_top_p_min_p(sub, [rows[i].params for i in random_rows])
-        probs = torch.softmax(sub, dim=-1)
-        noise = torch.empty_like(probs)
-        for k, i in enumerate(random_rows):
-            noise[k].exponential_(generator=rows[i].generator or self.generator)
-        sampled = (probs / noise).argmax(dim=-1)
+        if len(random_rows) == len(rows):
+            sub = logits / temperature  # [num_random, vocab]
+        else:
+            sub = logits.index_select(0, index).div_(temperature)
+        params = [rows[i].params for i in random_rows]
+        generators = [rows[i].generator for i in random_rows]
+        sampled = torch.empty(len(random_rows), dtype=torch.long, device=sub.device)
+        truncated = [k for k, p in enumerate(params) if (0 < p.top_k < sub.shape[-1]) or p.top_p < 1.0]
+        in_candidates: list[int] = []
+        if truncated and sub.shape[-1] > CANDIDATES:
+            # NOTE: top-k / nucleus sets that fit in the best CANDIDATES tokens are sampled there,
+            # avoiding a sort of the whole vocabulary; exact, decided per row from its own logits.
+            rows_t = torch.tensor(truncated, dtype=torch.long, device=sub.device)
+            cand_logits = sub.index_select(0, rows_t)  # [r, vocab]
+            values, token_ids = cand_logits.topk(CANDIDATES, dim=-1)  # sorted, [r, CANDIDATES]
+            cand_params = [params[k] for k in truncated]
+            has_top_k = torch.tensor([0 < p.top_k <= CANDIDATES for p in cand_params], device=sub.device).unsqueeze(1)
+            k = torch.tensor([p.top_k if 0 < p.top_k <= CANDIDATES else CANDIDATES for p in cand_params], device=sub.device)
+            beyond_k = torch.arange(CANDIDATES, device=sub.device).unsqueeze(0) >= k.unsqueeze(1)
+            # the nucleus is measured against the whole distribution, or the top-k set when there is one
+            log_norm = torch.where(
+                has_top_k,
+                torch.logsumexp(values.masked_fill(beyond_k, float("-inf")), dim=-1, keepdim=True),
+                torch.logsumexp(cand_logits, dim=-1, keepdim=True),
+            )  # [r, 1]
+            mass = torch.exp(values - log_norm).sum(dim=-1)  # candidates' share of that mass
+            top_p = torch.tensor([p.top_p for p in cand_params], dtype=mass.dtype, device=mass.device)
+            fits = (has_top_k.squeeze(1) | (mass >= top_p + 1e-4)).tolist()
+            fits = [ok and (0 < p.top_k <= CANDIDATES or not 0 < p.top_k < sub.shape[-1]) for ok, p in zip(fits, cand_params)]
+            picked = [j for j, ok in enumerate(fits) if ok]
+            if picked:
+                sel = torch.tensor(picked, dtype=torch.long, device=sub.device)
+                masked = _top_k_top_p_min_p(
+                    values[sel], [cand_params[j] for j in picked], presorted=True, log_norm=log_norm[sel]
+                )
+                choice = self._draw(torch.softmax(masked, dim=-1), [generators[truncated[j]] for j in picked])
+                in_candidates = [truncated[j] for j in picked]
+                sampled[torch.tensor(in_candidates, dtype=torch.long, device=sub.device)] = (
+                    token_ids[sel].gather(1, choice.unsqueeze(1)).squeeze(1)
+                )
+        done = set(in_candidates)
+        full = [k for k in range(len(random_rows)) if k not in done]
+        if full:
+            rows_t = torch.tensor(full, dtype=torch.long, device=sub.device)
+            values = _top_k_top_p_min_p(sub.index_select(0, rows_t), [params[k] for k in full])
+            sampled[rows_t] = self._draw(torch.softmax(values, dim=-1), [generators[k] for k in full])
         greedy_tokens[index] = sampled
         return greedy_tokens
+
+    def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One index per row of ``probs`` ``[rows, n]`` by inverse CDF; seeded rows use their own generator.
+
+        NOTE: torch.multinomial is ~25x slower on CPU for vocabulary-sized rows.
+        """
+        num_rows = probs.shape[0]
+        uniform = torch.empty(num_rows, 1, dtype=probs.dtype, device=probs.device)  # [rows, 1]
+        unseeded = [k for k, g in enumerate(generators) if g is None]
+        if unseeded:
+            draws = torch.rand(len(unseeded), 1, generator=self.generator, dtype=probs.dtype, device=probs.device)
+            uniform[torch.tensor(unseeded, dtype=torch.long, device=probs.device)] = draws
+        for k, generator in enumerate(generators):
+            if generator is not None:
+                uniform[k] = torch.rand(1, generator=generator, dtype=probs.dtype, device=probs.device)
+        cdf = probs.cumsum(dim=-1)  # [rows, n]
+        # first index whose cumulative mass exceeds u: never a zero-probability token
+        picks = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)
+        return picks.squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
+CANDIDATES = 1024  # tokens considered first for top-k / top-p rows
+
+
+def _needs_processing(row: SamplingRow) -> bool:
+    params = row.params
+    return bool(params.logit_bias) or params.needs_penalties or (
+        params.min_tokens > 0 and len(row.output_token_ids) < params.min_tokens
+    )
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
@@ -118,18 +187,29 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow, vocab_size: int) ->
         logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask logits ``[rows, vocab]`` outside each row's top-k / nucleus / min-p set with -inf."""
+def _top_k_top_p_min_p(
+    logits: torch.Tensor, params: list[SamplingParams], presorted: bool = False, log_norm: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mask logits ``[rows, n]`` outside each row's top-k / nucleus / min-p set with -inf.
+
+    ``presorted``: each row is already in descending order (the candidate path), and ``log_norm``
+    ``[rows, 1]`` is the log of the mass the nucleus is measured against.
+    """
     vocab = logits.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
     if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [rows, vocab]
+        if presorted:
+            sorted_logits = logits
+            sorted_idx = torch.arange(vocab, device=logits.device).expand_as(logits)
+        else:
+            sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [rows, vocab]
         k = torch.tensor(top_k, device=logits.device).unsqueeze(1)
         ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
         mask = ranks >= k
-        probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
+        kept = sorted_logits.masked_fill(mask, float("-inf"))
+        probs = torch.exp(kept - log_norm) if log_norm is not None else torch.softmax(kept, dim=-1)
         cumulative = probs.cumsum(dim=-1) - probs  # mass strictly before each token
         p = torch.tensor(top_p, dtype=probs.dtype, device=logits.device).unsqueeze(1)
         mask |= cumulative >= p
