@@ -39,7 +39,6 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # None: the model's own context length
     served_model_name: str | None = None
-    quantization: str | None = None  # None | int8 | int4
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -47,8 +46,6 @@ class ModelConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization must be int8 or int4, not {self.quantization!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,8 +40,6 @@ def load_hf_model(config: EngineConfig, device: torch.device) -> tuple[Any, Any,
 
     path = config.model.model or default_model_path()
     dtype = _DTYPES[config.model.dtype]
-    if config.model.quantization:
-        logger.warning("--engine hf ignores --quantization %s: the baseline runs the plain weights", config.model.quantization)
     try:
         return _load(config, path, dtype, device)
     except (OSError, ValueError) as exc:

@@ -45,7 +45,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     model.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     model.add_argument("--served-model-name", nargs="+", default=None,
                        help="name(s) clients use in `model` (default: the model's name); the first is reported")
-    model.add_argument("--quantization", default=None, choices=["int8", "int4"])
     model.add_argument("--seed", type=int, default=0)
     engine = parser.add_argument_group("engine")
     engine.add_argument("--engine", default="paged", choices=["paged", "hf"],
@@ -95,7 +94,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             served_model_name=served,
-            quantization=args.quantization,
             seed=args.seed,
         ),
         cache=CacheConfig(

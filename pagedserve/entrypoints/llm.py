@@ -41,7 +41,6 @@ class LLM:
         max_num_seqs: int = 256,
         enable_chunked_prefill: bool = True,
         scheduling_policy: str = "fcfs",
-        quantization: str | None = None,
         seed: int = 0,
         device: str = "auto",
         num_threads: int | None = None,
@@ -50,7 +49,7 @@ class LLM:
         config = EngineConfig(
             model=ModelConfig(
                 model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
-                quantization=quantization, seed=seed,
+                seed=seed,
             ),
             cache=CacheConfig(
                 block_size=block_size, kv_cache_memory=parse_size(kv_cache_memory),
