@@ -23,7 +23,8 @@ def load_cpu_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        flags = ["-O3", "-fopenmp", "-march=native", "-ffast-math"]
+        # NOTE: no -ffast-math: it links crtfastmath, which turns on flush-to-zero for the whole process
+        flags = ["-O3", "-fopenmp", "-march=native"]
         module = load(name="pagedserve_cpu_kernels", sources=[_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference path"
         logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch reference attention", exc)
