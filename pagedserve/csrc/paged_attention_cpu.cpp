@@ -9,6 +9,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -106,6 +110,133 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& kv_cac
   });
 }
 
+#if defined(__AVX512F__)
+// AVX-512 path for bf16 caches and head_dim = 16 * DV: one key/value row is converted once into
+// DV registers and used by every query head of its group.
+inline __m512 load_bf16x16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline void store_bf16x16(at::BFloat16* p, __m512 v) {
+  // round to nearest even, as c10::BFloat16 does for finite values
+  __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) with a degree-6 polynomial
+// for 2^f on f in [-0.5, 0.5]; relative error ~2e-7, inputs below -87 give 0.
+inline __m512 exp_avx512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // f * ln 2
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// In place: s[0:len] = softmax(s[0:len]).
+inline void softmax_avx512(float* s, int64_t len) {
+  const int64_t vec_end = len - len % 16;
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < vec_end; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+  float mx = _mm512_reduce_max_ps(vmax);
+  for (int64_t t = vec_end; t < len; ++t) mx = std::max(mx, s[t]);
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < vec_end; t += 16) {
+    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmx));
+    _mm512_storeu_ps(s + t, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  float sum = _mm512_reduce_add_ps(vsum);
+  for (int64_t t = vec_end; t < len; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  const __m512 vinv = _mm512_set1_ps(1.f / sum);
+  for (int64_t t = 0; t < vec_end; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), vinv));
+  for (int64_t t = vec_end; t < len; ++t) s[t] *= 1.f / sum;
+}
+
+template <int DV>
+void decode_attention_bf16_avx512(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                                  const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+  constexpr int64_t head_dim = 16 * DV;
+  const int64_t num_seqs = q.size(0);
+  const int64_t num_heads = q.size(1);
+  const int64_t num_blocks = kv_cache.size(1);
+  const int64_t block_size = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_num_blocks = block_tables.size(1);
+  const auto* q_ptr = q.data_ptr<at::BFloat16>();
+  const auto* k_base = kv_cache.data_ptr<at::BFloat16>();
+  const auto* v_base = k_base + num_blocks * block_size * num_kv_heads * head_dim;
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  auto* out_ptr = out.data_ptr<at::BFloat16>();
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+
+  // NOTE: one work item is a whole sequence, so each cached row (all KV heads) is read once,
+  // front to back, which keeps the hardware prefetcher streaming.
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512> qv(num_heads * DV);
+    std::vector<__m512> acc(num_heads * DV);
+    std::vector<float> scores;
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t len = lens[seq];
+      const int64_t* table = tables + seq * max_num_blocks;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const auto* src = q_ptr + (seq * num_heads + h) * head_dim;
+        for (int d = 0; d < DV; ++d) qv[h * DV + d] = _mm512_mul_ps(load_bf16x16(src + 16 * d), vscale);
+      }
+      scores.resize(num_heads * len);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        const auto* k_row = k_base + slot * token_stride;
+        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+          __m512 kr[DV];
+          for (int d = 0; d < DV; ++d) kr[d] = load_bf16x16(k_row + kv_head * head_dim + 16 * d);
+          for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+            __m512 s = _mm512_mul_ps(qv[h * DV], kr[0]);
+            for (int d = 1; d < DV; ++d) s = _mm512_fmadd_ps(qv[h * DV + d], kr[d], s);
+            scores[h * len + t] = _mm512_reduce_add_ps(s);
+          }
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) softmax_avx512(scores.data() + h * len, len);
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        const auto* v_row = v_base + slot * token_stride;
+        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+          __m512 vr[DV];
+          for (int d = 0; d < DV; ++d) vr[d] = load_bf16x16(v_row + kv_head * head_dim + 16 * d);
+          for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+            const __m512 p = _mm512_set1_ps(scores[h * len + t]);
+            for (int d = 0; d < DV; ++d) acc[h * DV + d] = _mm512_fmadd_ps(p, vr[d], acc[h * DV + d]);
+          }
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        auto* dst = out_ptr + (seq * num_heads + h) * head_dim;
+        for (int d = 0; d < DV; ++d) store_bf16x16(dst + 16 * d, acc[h * DV + d]);
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
@@ -118,6 +249,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   block_tables = block_tables.to(torch::kInt64).contiguous();
   seq_lens = seq_lens.to(torch::kInt64).contiguous();
   auto out = torch::empty_like(q);
+#if defined(__AVX512F__)
+  if (q.scalar_type() == at::kBFloat16 && (q.size(2) == 64 || q.size(2) == 128)) {
+    if (q.size(2) == 64) {
+      decode_attention_bf16_avx512<4>(q, kv_cache, block_tables, seq_lens, scale, out);
+    } else {
+      decode_attention_bf16_avx512<8>(q, kv_cache, block_tables, seq_lens, scale, out);
+    }
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_attention_kernel<scalar_t>(q, kv_cache, block_tables, seq_lens, scale, out);
   });
