@@ -49,6 +49,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine = parser.add_argument_group("engine")
     engine.add_argument("--engine", default="paged", choices=["paged", "hf"],
                         help="paged: pagedserve's engine; hf: one request at a time through transformers (baseline)")
+    engine.add_argument("--engine-core", default="process", choices=["process", "thread"],
+                        help="process: the paged engine steps in its own process (no GIL contention with HTTP "
+                             "handling); thread: in a thread of the server process")
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--kv-cache-memory", type=_size_arg, default=parse_size("1GiB"),
                         help="bytes for the KV cache of all layers, e.g. 2GiB (default 1GiB)")

@@ -123,7 +123,7 @@ async def serve_app(app: FastAPI, sock: socket.socket, shutdown_timeout: float, 
     return server.exit_code
 
 
-def make_core(args: argparse.Namespace) -> EngineCoreClient:
+def make_core(args: argparse.Namespace, inherited_fds: tuple[int, ...] = ()) -> EngineCoreClient:
     from pagedserve.entrypoints.cli_args import engine_config_from_args
 
     config = engine_config_from_args(args)
@@ -131,6 +131,10 @@ def make_core(args: argparse.Namespace) -> EngineCoreClient:
         from pagedserve.engine.hf_core import HFEngineCoreClient
 
         return HFEngineCoreClient(config)
+    if args.engine_core == "process":
+        from pagedserve.engine.mp_client import MPEngineCoreClient
+
+        return MPEngineCoreClient(config, close_fds=inherited_fds)
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.engine.threaded_client import ThreadedEngineCoreClient
 
@@ -157,7 +161,7 @@ def run_server(args: argparse.Namespace) -> int:
         parse_rate_limit(options.rate_limit)  # fail before loading the model
     sock = bind_socket(args.host, args.port)
     load_start = time.perf_counter()
-    core = make_core(args)
+    core = make_core(args, inherited_fds=(sock.fileno(),))
     info = core.model_info
     names = args.served_model_name or [info.model_name]
     serving_config = ServingConfig(
