@@ -20,6 +20,7 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
+from pagedserve.engine.output_mailbox import OutputMailbox
 from pagedserve.engine.validation import check_request
 from pagedserve.engine.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
 from pagedserve.outputs import FinishReason, TokenLogprob
@@ -83,7 +84,7 @@ class HFEngineCoreClient(EngineCoreClient):
     """EngineCoreClient over a Transformers model, one request at a time (the ``hf`` engine).
 
     Invariants: only the worker thread runs the model; the event loop and the thread share
-    ``_queue``, ``_live``, ``_aborted``, ``_stopped`` and ``_outputs`` only under ``_lock``;
+    ``_queue``, ``_live``, ``_aborted`` and ``_stopped`` only under ``_lock``;
     a request id is in ``_live`` from ``add_request`` until its last sample finishes.
     """
 
@@ -127,14 +128,12 @@ class HFEngineCoreClient(EngineCoreClient):
         self._live: set[str] = set()
         self._aborted: set[str] = set()
         self._stopped: set[tuple[str, int]] = set()
-        self._outputs: list[EngineCoreOutput] = []
-        self._notify_pending = False
+        self._mailbox = OutputMailbox()
         self._stopping = False
         self._running = 0
         self._error: BaseException | None = None
         self._counters = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outputs_ready: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
 
     # ----------------------------------------------------------------- EngineCoreClient
@@ -158,7 +157,7 @@ class HFEngineCoreClient(EngineCoreClient):
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._outputs_ready = asyncio.Event()
+        self._mailbox.bind(self._loop)
         self._thread = threading.Thread(target=self._run, name="hf-engine-core", daemon=True)
         self._thread.start()
 
@@ -199,21 +198,7 @@ class HFEngineCoreClient(EngineCoreClient):
             self._stopped |= {sample for sample in samples if sample[0] in self._live}
 
     async def get_outputs(self) -> list[EngineCoreOutput]:
-        ready = self._outputs_ready
-        assert ready is not None, "start() first"
-        while True:
-            with self._lock:
-                outputs = self._outputs
-                if outputs:
-                    self._outputs = []
-                    self._notify_pending = False
-                    ready.clear()
-                    return outputs
-                if self._error is not None:
-                    raise EngineDeadError(f"the engine core died: {self._error!r}") from self._error
-                self._notify_pending = False
-                ready.clear()
-            await ready.wait()
+        return await self._mailbox.get()
 
     def get_stats(self) -> SchedulerStats:
         with self._lock:
@@ -249,7 +234,7 @@ class HFEngineCoreClient(EngineCoreClient):
             logger.exception("hf engine core failed; no more requests can be served")
             with self._lock:
                 self._error = exc
-            self._notify()
+            self._mailbox.fail(exc)
 
     def _finish_request(self, request_id: str) -> None:
         """Forget a request's bookkeeping (called with ``_lock`` held)."""
@@ -322,21 +307,7 @@ class HFEngineCoreClient(EngineCoreClient):
             logits = result.logits[:, -1, :]
 
     def _push(self, output: EngineCoreOutput) -> None:
-        with self._lock:
-            self._outputs.append(output)
-            notify = not self._notify_pending
-            self._notify_pending = True
-        if notify:
-            self._notify()
-
-    def _notify(self) -> None:
-        loop, ready = self._loop, self._outputs_ready
-        if loop is None or ready is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(ready.set)
-        except RuntimeError:
-            pass  # the loop closed meanwhile
+        self._mailbox.put([output])
 
 
 def _check_stop(params: SamplingParams, token_id: int, output_ids: list[int], eos_ids: tuple[int, ...],

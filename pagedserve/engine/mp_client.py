@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
 from pagedserve.engine.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
+from pagedserve.engine.output_mailbox import OutputMailbox
 
 logger = logging.getLogger(__name__)
 
@@ -121,14 +122,11 @@ class MPEngineCoreClient(EngineCoreClient):
             raise RuntimeError(f"the engine core failed to start:\n{message[1]}")
         _, self._model_info, self.dtype = message
         self._stats = SchedulerStats()
-        self._error: BaseException | None = None
-        self._outputs: list[EngineCoreOutput] = []
-        self._lock = threading.Lock()
+        self._mailbox = OutputMailbox()
         self._pending_adds: dict[str, asyncio.Future] = {}
         self._warmed: asyncio.Future | None = None
         self._send_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outputs_ready: asyncio.Event | None = None
         self._threads: list[threading.Thread] = []
         self._closing = False
 
@@ -139,7 +137,7 @@ class MPEngineCoreClient(EngineCoreClient):
 
     @property
     def is_dead(self) -> bool:
-        return self._error is not None
+        return self._mailbox.error is not None
 
     async def warmup(self) -> None:
         """A real forward pass in the core before serving; call before ``start``."""
@@ -179,19 +177,7 @@ class MPEngineCoreClient(EngineCoreClient):
             self._send((_STOP, list(samples)))
 
     async def get_outputs(self) -> list[EngineCoreOutput]:
-        ready = self._outputs_ready
-        while True:
-            with self._lock:
-                outputs, self._outputs = self._outputs, []
-            if outputs:
-                return outputs
-            if self._error is not None:
-                raise EngineDeadError(f"the engine core died: {self._error}") from self._error
-            ready.clear()
-            with self._lock:
-                if self._outputs or self._error is not None:
-                    continue
-            await ready.wait()
+        return await self._mailbox.get()
 
     def get_stats(self) -> SchedulerStats:
         return self._stats
@@ -201,15 +187,15 @@ class MPEngineCoreClient(EngineCoreClient):
         if self._threads:
             return
         self._loop = asyncio.get_running_loop()
-        self._outputs_ready = asyncio.Event()
+        self._mailbox.bind(self._loop)
         for target, name in ((self._write_loop, "engine-core-writer"), (self._read_loop, "engine-core-reader")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
 
     def _check_alive(self) -> None:
-        if self._error is not None:
-            raise EngineDeadError(f"the engine core died: {self._error}")
+        if self._mailbox.error is not None:
+            raise EngineDeadError(f"the engine core died: {self._mailbox.error}")
         if self._closing:
             raise EngineDeadError("the engine core is shutting down")
 
@@ -233,9 +219,7 @@ class MPEngineCoreClient(EngineCoreClient):
                     if stats is not None:
                         self._stats = stats
                     if outputs:
-                        with self._lock:
-                            self._outputs.extend(outputs)
-                        loop.call_soon_threadsafe(self._outputs_ready.set)
+                        self._mailbox.put(outputs)
                 elif kind == _STATS:
                     self._stats = rest[0]
                 elif kind == _ADDED:
@@ -261,7 +245,7 @@ class MPEngineCoreClient(EngineCoreClient):
     def _die(self, error: BaseException, details: str) -> None:
         if details:
             logger.error("engine core failed:\n%s", details)
-        self._error = error
+        self._mailbox.fail(error)
         loop = self._loop
 
         def fail_waiters() -> None:
@@ -269,7 +253,6 @@ class MPEngineCoreClient(EngineCoreClient):
             for future in list(self._pending_adds.values()) + ([self._warmed] if self._warmed else []):
                 if not future.done():
                     future.set_exception(dead)
-            self._outputs_ready.set()
 
         try:
             loop.call_soon_threadsafe(fail_waiters)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
 from pagedserve.engine.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
+from pagedserve.engine.output_mailbox import OutputMailbox
 
 if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine
@@ -28,8 +29,7 @@ class ThreadedEngineCoreClient(EngineCoreClient):
     """EngineCoreClient over an in-process LLMEngine driven by one background thread.
 
     Invariants: only the engine thread touches the engine (after ``start``); the event loop only
-    swaps the ``_inputs`` / ``_outputs`` lists under ``_lock``; at most one wake-up callback for
-    outputs is pending on the loop at a time (``_notify_pending``).
+    swaps the ``_inputs`` list under ``_lock``; outputs reach the loop through an OutputMailbox.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
@@ -38,13 +38,11 @@ class ThreadedEngineCoreClient(EngineCoreClient):
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._inputs: list[tuple[int, object, asyncio.Future | None]] = []
-        self._outputs: list[EngineCoreOutput] = []
-        self._notify_pending = False
+        self._mailbox = OutputMailbox()
         self._stopping = False
         self._error: BaseException | None = None
         self._stats = SchedulerStats()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outputs_ready: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._applying: list[asyncio.Future] = []  # futures of the batch being applied (engine thread)
 
@@ -75,7 +73,7 @@ class ThreadedEngineCoreClient(EngineCoreClient):
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._outputs_ready = asyncio.Event()
+        self._mailbox.bind(self._loop)
         self._stats = self._engine.get_stats()
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._thread.start()
@@ -108,20 +106,7 @@ class ThreadedEngineCoreClient(EngineCoreClient):
             self._put(_STOP, list(samples), None)
 
     async def get_outputs(self) -> list[EngineCoreOutput]:
-        ready = self._outputs_ready
-        while True:
-            with self._lock:
-                outputs = self._outputs
-                if outputs:
-                    self._outputs = []
-                    self._notify_pending = False
-                    ready.clear()
-                    return outputs
-                if self._error is not None:
-                    raise EngineDeadError(f"the engine core died: {self._error!r}") from self._error
-                self._notify_pending = False
-                ready.clear()
-            await ready.wait()
+        return await self._mailbox.get()
 
     def get_stats(self) -> SchedulerStats:
         return self._stats
@@ -196,15 +181,7 @@ class ThreadedEngineCoreClient(EngineCoreClient):
             self._loop.call_soon_threadsafe(self._resolve, results)
 
     def _push_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        with self._lock:
-            if self._outputs:
-                self._outputs.extend(outputs)
-            else:
-                self._outputs = outputs
-            notify = not self._notify_pending
-            self._notify_pending = True
-        if notify:
-            self._loop.call_soon_threadsafe(self._outputs_ready.set)
+        self._mailbox.put(outputs)
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:
@@ -212,13 +189,12 @@ class ThreadedEngineCoreClient(EngineCoreClient):
             futures = self._applying + [fut for _, _, fut in self._inputs if fut is not None]
             pending = [(fut, EngineDeadError(f"the engine core died: {exc!r}")) for fut in futures]
             self._inputs = []
+        self._mailbox.fail(exc)
         loop = self._loop
-        if loop is None or loop.is_closed():
+        if not pending or loop is None or loop.is_closed():
             return
         try:
-            loop.call_soon_threadsafe(self._outputs_ready.set)
-            if pending:
-                loop.call_soon_threadsafe(self._resolve, pending)
+            loop.call_soon_threadsafe(self._resolve, pending)
         except RuntimeError:
             pass  # the loop closed meanwhile
 
