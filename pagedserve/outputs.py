@@ -87,3 +87,24 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+
+    def merge_delta(self, new: RequestOutput) -> None:
+        """Fold a later delta output of the same request into this one (text, tokens, logprobs appended)."""
+        by_index = {c.index: c for c in self.outputs}
+        for completion in new.outputs:
+            old = by_index.get(completion.index)
+            if old is None:
+                self.outputs.append(completion)
+                by_index[completion.index] = completion
+                continue
+            old.text += completion.text
+            old.token_ids = old.token_ids + completion.token_ids
+            if completion.logprobs is not None:
+                old.logprobs = (old.logprobs or []) + completion.logprobs
+            old.finish_reason = completion.finish_reason
+            old.stop_reason = completion.stop_reason
+        self.finished = new.finished
+        self.metrics = new.metrics
+        self.num_cached_tokens = max(self.num_cached_tokens, new.num_cached_tokens)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = new.prompt_logprobs

@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, Callable
 from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
 from pagedserve.engine.messages import EngineCoreRequest, ModelInfo, SchedulerStats
 from pagedserve.engine.output_processor import IterationStats, OutputProcessor
-from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class RequestOutputCollector:
             self._output = output
             self._ready.set()
         elif isinstance(current, RequestOutput):
-            _merge_into(current, output)
+            current.merge_delta(output)
 
     async def get(self) -> RequestOutput:
         while self._output is None:
@@ -54,31 +54,6 @@ class RequestOutputCollector:
         if isinstance(output, BaseException):
             raise output
         return output
-
-
-def _merge_into(current: RequestOutput, new: RequestOutput) -> None:
-    by_index = {c.index: c for c in current.outputs}
-    for completion in new.outputs:
-        old = by_index.get(completion.index)
-        if old is None:
-            current.outputs.append(completion)
-            by_index[completion.index] = completion
-            continue
-        _merge_completion(old, completion)
-    current.finished = new.finished
-    current.metrics = new.metrics
-    current.num_cached_tokens = new.num_cached_tokens
-    if current.prompt_logprobs is None:
-        current.prompt_logprobs = new.prompt_logprobs
-
-
-def _merge_completion(old: CompletionOutput, new: CompletionOutput) -> None:
-    old.text += new.text
-    old.token_ids = old.token_ids + new.token_ids
-    if new.logprobs is not None:
-        old.logprobs = (old.logprobs or []) + new.logprobs
-    old.finish_reason = new.finish_reason
-    old.stop_reason = new.stop_reason
 
 
 class AsyncLLM:

@@ -349,7 +349,7 @@ class OpenAIServing:
                     if final is None:
                         final = output
                     else:
-                        merge_outputs(final, output)
+                        final.merge_delta(output)
         except TimeoutError as exc:
             raise timeout_error(self.config.request_timeout) from exc
         except EngineDeadError as exc:
@@ -386,27 +386,6 @@ class OpenAIServing:
                                            "decoded_token": self.token_str(alt)})
             result.append(item)
         return result
-
-
-def merge_outputs(final: RequestOutput, new: RequestOutput) -> None:
-    by_index = {c.index: c for c in final.outputs}
-    for completion in new.outputs:
-        old = by_index.get(completion.index)
-        if old is None:
-            final.outputs.append(completion)
-            by_index[completion.index] = completion
-            continue
-        old.text += completion.text
-        old.token_ids = old.token_ids + completion.token_ids
-        if completion.logprobs is not None:
-            old.logprobs = (old.logprobs or []) + completion.logprobs
-        old.finish_reason = completion.finish_reason
-        old.stop_reason = completion.stop_reason
-    final.finished = new.finished
-    final.metrics = new.metrics
-    final.num_cached_tokens = max(final.num_cached_tokens, new.num_cached_tokens)
-    if final.prompt_logprobs is None:
-        final.prompt_logprobs = new.prompt_logprobs
 
 
 def check_text(text: str, param: str = "prompt") -> None:
