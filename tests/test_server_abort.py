@@ -63,29 +63,42 @@ def test_metrics_names_and_counts(server, client):
 
 
 def test_streaming_disconnects_free_everything(server):
-    """50 long streams, each abandoned by a 0.5 s client timeout: nothing keeps running, KV usage returns to idle."""
+    """50 long streams abandoned by their clients mid-stream: nothing keeps running, KV usage returns to idle.
+
+    Half close the connection after reading a few chunks, half are cancelled by a wall-clock deadline
+    (whatever they have read by then); neither depends on how fast the server produces tokens.
+    """
     idle_kv = wait_idle(server)[f"pagedserve:kv_cache_usage_perc{LABEL}"]
 
     async def one(client: openai.AsyncOpenAI, i: int) -> str:
+        messages = [{"role": "user", "content": f"Write a very long story number {i}."}]
+
+        async def consume() -> str:
+            stream = await client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                                          extra_body=LONG)
+            async with stream:
+                chunks = 0
+                async for _ in stream:
+                    chunks += 1
+                    if i % 2 == 0 and chunks == 3:
+                        return "closed"
+            return "completed"
+
         try:
-            stream = await client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"Write a very long story number {i}."}],
-                stream=True, extra_body=LONG)
-            async for _ in stream:
-                pass
-        except openai.APITimeoutError:
-            return "timeout"
-        return "completed"
+            return await asyncio.wait_for(consume(), timeout=1.0 + (i % 5) * 0.2)
+        except (asyncio.TimeoutError, openai.APITimeoutError):
+            return "cancelled"
 
     async def run() -> list[str]:
-        client = server.async_openai_client(timeout=0.5)
+        client = server.async_openai_client(timeout=120)
         try:
             return await asyncio.gather(*(one(client, i) for i in range(50)))
         finally:
             await client.close()
 
     outcomes = asyncio.run(run())
-    assert outcomes == ["timeout"] * 50
+    assert "completed" not in outcomes
+    assert outcomes.count("cancelled") >= 25
     values = wait_idle(server)
     assert values[f"pagedserve:num_requests_running{LABEL}"] == 0
     assert values[f"pagedserve:num_requests_waiting{LABEL}"] == 0
