@@ -39,23 +39,28 @@ def test_chunked_prefill_and_decode_through_block_tables_match_dense_attention()
     torch.testing.assert_close(out[0], causal_reference(qb, kb, vb)[6])
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_cpu_kernel_matches_reference_decode(dtype, tol):
+def test_cpu_kernel_matches_reference_decode(dtype, tol, head_dim):
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.skip("the C++ kernel could not be built on this machine")
     torch.manual_seed(0)
-    num_blocks, heads, kv_heads, dim = 64, 9, 3, 64
-    cache = torch.randn(2, num_blocks, 16, kv_heads, dim).to(dtype)
-    lens = [1, 5, 16, 17, 100, 250]
+    num_blocks, heads, kv_heads = 96, 9, 3
+    # NaN everywhere no context token lives: a kernel that reads past a sequence's length poisons its output
+    cache = torch.full((2, num_blocks, 16, kv_heads, head_dim), float("nan"), dtype=dtype)
+    lens = [1, 2, 5, 15, 16, 17, 31, 33, 100, 250, 301]
     tables, next_block = [], 1
     for length in lens:
         n = (length + 15) // 16
-        tables.append(list(range(next_block + n - 1, next_block - 1, -1)))  # reversed: order must come from the table
+        table = list(range(next_block + n - 1, next_block - 1, -1))  # reversed: order must come from the table
+        tables.append(table)
         next_block += n
+        for t in range(length):
+            cache[:, table[t // 16], t % 16] = torch.randn(2, kv_heads, head_dim).to(dtype)
     meta = build_attention_metadata([n - 1 for n in lens], [1] * len(lens), tables, 16)
-    q = torch.randn(len(lens), heads, dim).to(dtype)
-    reference = _decode_attention(q.float(), cache.float(), meta, dim**-0.5)
-    out = kernels.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, dim**-0.5)
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    reference = _decode_attention(q.float(), torch.nan_to_num(cache.float(), nan=0.0), meta, head_dim**-0.5)
+    out = kernels.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, head_dim**-0.5)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), reference, atol=tol, rtol=tol)

@@ -17,6 +17,7 @@ from pagedserve.config import ModelConfig
 from pagedserve.models.loader import LoadedModel, load_model
 from pagedserve.models.registry import MODEL_REGISTRY, ModelLoadError
 from pagedserve.worker.attention import build_attention_metadata
+from pagedserve.worker.cpu_prepack import can_pack_linear_weights, pack_linear_weights
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -194,6 +195,26 @@ def test_bfloat16_load_stays_close(tiny, tmp_path):
     assert logits.dtype == torch.float32
     reference = hf_logits(hf_model, PROMPT)
     assert (logits - reference).abs().max() < 0.15 * reference.abs().max()
+
+
+def test_packed_linear_weights_give_identical_logits(tiny, tmp_path):
+    """oneDNN-packed bf16 weights: bit-identical logits, plain copies released except a tied embedding's."""
+    if not can_pack_linear_weights(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("this CPU's oneDNN has no native bf16")
+    hf_model, _ = tiny
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    save_tiny_tokenizer(str(tmp_path))
+    loaded = load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16"), "cpu")
+    tables = [block_table(40, len(PROMPT)), block_table(59, len(PROMPT_2) + 1)]
+    plain = run_step(loaded, new_kv_caches(loaded), PROMPT + PROMPT_2, [0, 0], [len(PROMPT), len(PROMPT_2)], tables)
+    model = loaded.model
+    assert pack_linear_weights(model, batch_size_hint=8) == 4 * loaded.num_layers + 1
+    packed = run_step(loaded, new_kv_caches(loaded), PROMPT + PROMPT_2, [0, 0], [len(PROMPT), len(PROMPT_2)], tables)
+    torch.testing.assert_close(packed, plain, atol=0, rtol=0)
+    assert model.model.layers[0].mlp.down_proj.weight.numel() == 0  # released
+    assert model.model.embed_tokens.weight.numel() == loaded.vocab_size * model.config.hidden_size
+    with pytest.raises(RuntimeError, match="pack_weight"):
+        model.lm_head.weight_loader(model.lm_head.weight, model.lm_head.weight.detach().clone())
 
 
 def test_eos_ids_and_generation_config(tmp_path):

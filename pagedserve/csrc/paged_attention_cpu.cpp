@@ -14,6 +14,8 @@
 #endif
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -237,6 +239,165 @@ void decode_attention_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// Sums of 16 vectors at once: element j of the result is the sum of all 16 lanes of v[j].
+// A transpose-and-add tree (45 instructions) instead of 16 horizontal reductions (~8 each).
+inline __m512 hsum16_avx512(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int m = 0; m < 4; ++m) {  // per 128-bit lane L: the lane-L sums of v[4m .. 4m+3]
+    const __m512d c = _mm512_castps_pd(w[2 * m]), d = _mm512_castps_pd(w[2 * m + 1]);
+    x[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+  }
+  const __m512 p01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 p23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+// Ask for one cached token row ahead of use: rows sit in blocks scattered over the cache, so the
+// hardware prefetcher loses the stream at every block boundary.
+inline void prefetch_row(const uint16_t* row, int64_t elements) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < elements * 2; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+// bf16 decode with AVX512-BF16 dot products (vdpbf16ps): NC 32-wide chunks per head (head_dim = 32 * NC).
+// Scores: 16 context tokens at a time, one partial-sum vector per (token, head), reduced together.
+// Values: two tokens at a time, their rows interleaved so that one vdpbf16ps adds p_t * v_t + p_t+1 * v_t+1;
+// the probabilities are rounded to bf16 for that, as a bf16 attention matmul does.
+template <int NC>
+void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                                  const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+  constexpr int64_t head_dim = 32 * NC;
+  const int64_t num_seqs = q.size(0);
+  const int64_t num_heads = q.size(1);
+  const int64_t num_blocks = kv_cache.size(1);
+  const int64_t block_size = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_num_blocks = block_tables.size(1);
+  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* k_base = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>());
+  const auto* v_base = k_base + num_blocks * block_size * num_kv_heads * head_dim;
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  auto* out_ptr = out.data_ptr<at::BFloat16>();
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> qv(num_heads * NC);
+    std::vector<__m512> partial(group * 16);
+    std::vector<__m512> acc(num_heads * 2 * NC);
+    std::vector<float> scores;
+    std::vector<uint16_t> probs;
+    alignas(64) float lo[16], hi[16], row[head_dim];
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t len = lens[seq];
+      const int64_t len_pad = (len + 15) / 16 * 16;
+      const int64_t* table = tables + seq * max_num_blocks;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        for (int c = 0; c < NC; ++c) qv[h * NC + c] = _mm512_loadu_si512(q_ptr + (seq * num_heads + h) * head_dim + 32 * c);
+      }
+      scores.assign(num_heads * len_pad, 0.f);
+      for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, len - t0);
+        for (int64_t t = t0 + 16; t < std::min<int64_t>(t0 + 32, len); ++t) {
+          prefetch_row(k_base + (table[t / block_size] * block_size + t % block_size) * token_stride, token_stride);
+        }
+        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+          for (int64_t i = 0; i < 16; ++i) {
+            if (i >= n) {
+              for (int64_t g = 0; g < group; ++g) partial[g * 16 + i] = _mm512_setzero_ps();
+              continue;
+            }
+            const int64_t t = t0 + i;
+            const int64_t slot = table[t / block_size] * block_size + t % block_size;
+            const uint16_t* k_row = k_base + slot * token_stride + kv_head * head_dim;
+            __m512i kr[NC];
+            for (int c = 0; c < NC; ++c) kr[c] = _mm512_loadu_si512(k_row + 32 * c);
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t h = kv_head * group + g;
+              __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(qv[h * NC]), as_bh(kr[0]));
+              for (int c = 1; c < NC; ++c) s = _mm512_dpbf16_ps(s, as_bh(qv[h * NC + c]), as_bh(kr[c]));
+              partial[g * 16 + i] = s;
+            }
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kv_head * group + g;
+            const __m512 sums = _mm512_mul_ps(hsum16_avx512(partial.data() + g * 16), vscale);
+            _mm512_mask_storeu_ps(scores.data() + h * len_pad + t0, static_cast<__mmask16>((1u << n) - 1u), sums);
+          }
+        }
+      }
+      probs.assign(num_heads * len_pad, 0);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* s = scores.data() + h * len_pad;
+        softmax_avx512(s, len);  // entries len .. len_pad stay 0
+        for (int64_t t = 0; t < len_pad; t += 16) {
+          const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(s + t));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs.data() + h * len_pad + t), reinterpret_cast<__m256i>(b));
+        }
+      }
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for (int64_t t = 0; t < std::min<int64_t>(16, len); ++t) {
+        prefetch_row(v_base + (table[t / block_size] * block_size + t % block_size) * token_stride, token_stride);
+      }
+      for (int64_t t = 0; t < len; t += 2) {
+        for (int64_t ahead = t + 16; ahead < std::min<int64_t>(t + 18, len); ++ahead) {
+          prefetch_row(v_base + (table[ahead / block_size] * block_size + ahead % block_size) * token_stride, token_stride);
+        }
+        const int64_t slot_a = table[t / block_size] * block_size + t % block_size;
+        const uint16_t* a_row = v_base + slot_a * token_stride;
+        const bool has_b = t + 1 < len;  // never read past the context: a stale slot may hold anything
+        const int64_t slot_b = has_b ? table[(t + 1) / block_size] * block_size + (t + 1) % block_size : 0;
+        const uint16_t* b_row = v_base + slot_b * token_stride;
+        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+          __m512i vlo[NC], vhi[NC];
+          for (int c = 0; c < NC; ++c) {
+            const __m512i a = _mm512_loadu_si512(a_row + kv_head * head_dim + 32 * c);
+            const __m512i b = has_b ? _mm512_loadu_si512(b_row + kv_head * head_dim + 32 * c) : _mm512_setzero_si512();
+            vlo[c] = _mm512_unpacklo_epi16(a, b);  // per 128-bit lane L: dims 8L..8L+3 of a and b, interleaved
+            vhi[c] = _mm512_unpackhi_epi16(a, b);  // dims 8L+4..8L+7
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kv_head * group + g;
+            uint32_t pair;
+            std::memcpy(&pair, probs.data() + h * len_pad + t, sizeof(pair));  // p_t (low half), p_t+1 (high)
+            const __m512i p = _mm512_set1_epi32(static_cast<int>(pair));
+            for (int c = 0; c < NC; ++c) {
+              acc[(h * NC + c) * 2] = _mm512_dpbf16_ps(acc[(h * NC + c) * 2], as_bh(p), as_bh(vlo[c]));
+              acc[(h * NC + c) * 2 + 1] = _mm512_dpbf16_ps(acc[(h * NC + c) * 2 + 1], as_bh(p), as_bh(vhi[c]));
+            }
+          }
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        for (int c = 0; c < NC; ++c) {  // undo the interleaving: position 4L + r holds dim 8L + r (lo) / 8L + 4 + r (hi)
+          _mm512_store_ps(lo, acc[(h * NC + c) * 2]);
+          _mm512_store_ps(hi, acc[(h * NC + c) * 2 + 1]);
+          for (int lane = 0; lane < 4; ++lane) {
+            for (int r = 0; r < 4; ++r) {
+              row[32 * c + 8 * lane + r] = lo[4 * lane + r];
+              row[32 * c + 8 * lane + 4 + r] = hi[4 * lane + r];
+            }
+          }
+        }
+        auto* dst = out_ptr + (seq * num_heads + h) * head_dim;
+        for (int d = 0; d < head_dim / 16; ++d) store_bf16x16(dst + 16 * d, _mm512_load_ps(row + 16 * d));
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
@@ -249,6 +410,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   block_tables = block_tables.to(torch::kInt64).contiguous();
   seq_lens = seq_lens.to(torch::kInt64).contiguous();
   auto out = torch::empty_like(q);
+#if defined(__AVX512BF16__)
+  if (q.scalar_type() == at::kBFloat16 && (q.size(2) == 64 || q.size(2) == 128)) {
+    if (q.size(2) == 64) {
+      decode_attention_bf16_dpbf16<2>(q, kv_cache, block_tables, seq_lens, scale, out);
+    } else {
+      decode_attention_bf16_dpbf16<4>(q, kv_cache, block_tables, seq_lens, scale, out);
+    }
+    return out;
+  }
+#endif
 #if defined(__AVX512F__)
   if (q.scalar_type() == at::kBFloat16 && (q.size(2) == 64 || q.size(2) == 128)) {
     if (q.size(2) == 64) {

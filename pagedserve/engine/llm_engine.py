@@ -66,6 +66,7 @@ class LLMEngine:
             dtype=loaded.dtype,
             device=self.device,
             seed=config.model.seed,
+            batch_size_hint=min(config.scheduler.max_num_seqs, 64),
         )
         self.model_info = ModelInfo(
             model_name=loaded.model_name,

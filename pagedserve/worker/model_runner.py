@@ -15,6 +15,7 @@ from pagedserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, Sc
 from pagedserve.outputs import TokenLogprob
 from pagedserve.worker.attention import build_attention_metadata
 from pagedserve.worker.cpu_kernels import load_cpu_kernels
+from pagedserve.worker.cpu_prepack import can_pack_linear_weights, pack_linear_weights
 from pagedserve.worker.sampler import Sampler, SamplingRow
 
 
@@ -40,6 +41,7 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         use_cpu_kernels: bool = True,
+        batch_size_hint: int = 64,
     ) -> None:
         self.model = model
         self.device = device
@@ -54,6 +56,8 @@ class ModelRunner:
         if device.type == "cpu" and use_cpu_kernels:
             kernels = load_cpu_kernels()
             self.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
+        if use_cpu_kernels and can_pack_linear_weights(device, dtype):
+            pack_linear_weights(model, batch_size_hint)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
