@@ -17,7 +17,8 @@ from pagedserve.config import ModelConfig
 from pagedserve.models.loader import LoadedModel, load_model
 from pagedserve.models.registry import MODEL_REGISTRY, ModelLoadError
 from pagedserve.worker.attention import build_attention_metadata
-from pagedserve.worker.cpu_prepack import can_pack_linear_weights, pack_linear_weights
+from pagedserve.worker.cpu_fast_paths import can_pack_linear_weights, pack_linear_weights, use_fused_ops
+from pagedserve.worker.cpu_kernels import load_cpu_kernels
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -197,8 +198,9 @@ def test_bfloat16_load_stays_close(tiny, tmp_path):
     assert (logits - reference).abs().max() < 0.15 * reference.abs().max()
 
 
-def test_packed_linear_weights_give_identical_logits(tiny, tmp_path):
-    """oneDNN-packed bf16 weights: bit-identical logits, plain copies released except a tied embedding's."""
+def test_cpu_fast_paths_give_identical_logits(tiny, tmp_path):
+    """oneDNN-packed bf16 weights, then the fused C++ ops: bit-identical logits; plain weight copies
+    released except a tied embedding's."""
     if not can_pack_linear_weights(torch.device("cpu"), torch.bfloat16):
         pytest.skip("this CPU's oneDNN has no native bf16")
     hf_model, _ = tiny
@@ -211,6 +213,11 @@ def test_packed_linear_weights_give_identical_logits(tiny, tmp_path):
     assert pack_linear_weights(model, batch_size_hint=8) == 4 * loaded.num_layers + 1
     packed = run_step(loaded, new_kv_caches(loaded), PROMPT + PROMPT_2, [0, 0], [len(PROMPT), len(PROMPT_2)], tables)
     torch.testing.assert_close(packed, plain, atol=0, rtol=0)
+    kernels = load_cpu_kernels()
+    if kernels is not None and use_fused_ops(model, kernels):  # rope, norms and SiLU-and-mul in C++ as well
+        assert model.model.layers[0].self_attn.fused_ops is kernels and model.model.norm.fused_ops is kernels
+        fused = run_step(loaded, new_kv_caches(loaded), PROMPT + PROMPT_2, [0, 0], [len(PROMPT), len(PROMPT_2)], tables)
+        torch.testing.assert_close(fused, plain, atol=0, rtol=0)
     assert model.model.layers[0].mlp.down_proj.weight.numel() == 0  # released
     assert model.model.embed_tokens.weight.numel() == loaded.vocab_size * model.config.hidden_size
     with pytest.raises(RuntimeError, match="pack_weight"):

@@ -9,6 +9,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "avx512_utils.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -21,6 +23,12 @@
 #include <vector>
 
 namespace {
+
+#if defined(__AVX512F__)
+using pagedserve::exp_avx512;
+using pagedserve::load_bf16x16;
+using pagedserve::store_bf16x16;
+#endif
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
@@ -113,38 +121,6 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& kv_cac
 }
 
 #if defined(__AVX512F__)
-// AVX-512 path for bf16 caches and head_dim = 16 * DV: one key/value row is converted once into
-// DV registers and used by every query head of its group.
-inline __m512 load_bf16x16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-inline void store_bf16x16(at::BFloat16* p, __m512 v) {
-  // round to nearest even, as c10::BFloat16 does for finite values
-  __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) with a degree-6 polynomial
-// for 2^f on f in [-0.5, 0.5]; relative error ~2e-7, inputs below -87 give 0.
-inline __m512 exp_avx512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // f * ln 2
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // In place: s[0:len] = softmax(s[0:len]).
 inline void softmax_avx512(float* s, int64_t len) {
   const int64_t vec_end = len - len % 16;
@@ -169,6 +145,8 @@ inline void softmax_avx512(float* s, int64_t len) {
   for (int64_t t = vec_end; t < len; ++t) s[t] *= 1.f / sum;
 }
 
+// AVX-512 path for bf16 caches and head_dim = 16 * DV: one key/value row is converted once into
+// DV registers and used by every query head of its group.
 template <int DV>
 void decode_attention_bf16_avx512(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
                                   const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
@@ -434,8 +412,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
     decode_attention_kernel<scalar_t>(q, kv_cache, block_tables, seq_lens, scale, out);
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
 }

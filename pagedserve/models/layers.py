@@ -6,6 +6,7 @@ the SiLU-and-mul activation.
 from __future__ import annotations
 
 import math
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -107,6 +108,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.hidden_size = hidden_size
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.fused_ops: ModuleType | None = None  # compiled bf16 ops (add_rms_norm_, rms_norm), set by the runner
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (self.hidden_size,), eps=self.eps)
@@ -115,6 +117,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_ops is not None:
+            if residual is None:
+                return self.fused_ops.rms_norm(x, self.weight, self.eps)
+            return self.fused_ops.add_rms_norm_(x, residual, self.weight, self.eps), residual
         if residual is None:
             return self._norm(x)
         residual.add_(x)  # NOTE: in place, in the model dtype, as HF's `residual + hidden_states`
@@ -127,7 +133,13 @@ class RMSNorm(nn.Module):
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` for the fused ``[..., 2 * intermediate]`` gate/up projection output."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused_ops: ModuleType | None = None  # compiled bf16 ops (silu_and_mul), set by the runner
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_ops is not None:
+            return self.fused_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -50,6 +51,7 @@ class LlamaAttention(nn.Module):
             dtype=dtype,
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
+        self.fused_ops: ModuleType | None = None  # compiled bf16 ops (rotary_embedding_), set by the runner
 
     def forward(
         self,
@@ -62,7 +64,10 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
         # NOTE: q and k sit side by side in qkv and share cos/sin, so one rotation covers both.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rotary_emb(qk, *rotary)  # [num_tokens, num_heads + num_kv_heads, head_dim]
+        if self.fused_ops is not None:
+            self.fused_ops.rotary_embedding_(qk, *rotary)  # in place, inside qkv
+        else:
+            qk = apply_rotary_emb(qk, *rotary)  # [num_tokens, num_heads + num_kv_heads, head_dim]
         q = qk[:, : self.num_heads]  # [num_tokens, num_heads, head_dim]
         k = qk[:, self.num_heads :]  # [num_tokens, num_kv_heads, head_dim]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)

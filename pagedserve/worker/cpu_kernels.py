@@ -15,7 +15,8 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 STALE_LOCK_S = 600  # a build takes well under a minute
-_SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "paged_attention_cpu.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
+_SOURCES = [os.path.join(_CSRC, name) for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_ops_cpu.cpp")]
 
 
 @functools.cache
@@ -27,7 +28,7 @@ def load_cpu_kernels() -> ModuleType | None:
 
         # NOTE: no -ffast-math: it links crtfastmath, which turns on flush-to-zero for the whole process
         flags = ["-O3", "-fopenmp", "-march=native"]
-        module = load(name="pagedserve_cpu_kernels", sources=[_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        module = load(name="pagedserve_cpu_kernels", sources=_SOURCES, extra_include_paths=[_CSRC], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference path"
         logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch reference attention", exc)
         return None

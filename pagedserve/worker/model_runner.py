@@ -15,7 +15,7 @@ from pagedserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, Sc
 from pagedserve.outputs import TokenLogprob
 from pagedserve.worker.attention import build_attention_metadata
 from pagedserve.worker.cpu_kernels import load_cpu_kernels
-from pagedserve.worker.cpu_prepack import can_pack_linear_weights, pack_linear_weights
+from pagedserve.worker.cpu_fast_paths import can_pack_linear_weights, pack_linear_weights, use_fused_ops
 from pagedserve.worker.sampler import Sampler, SamplingRow
 
 
@@ -53,11 +53,13 @@ class ModelRunner:
         generator = torch.Generator(device=device).manual_seed(seed)
         self.sampler = Sampler(vocab_size, generator)
         self.decode_kernel = None
-        if device.type == "cpu" and use_cpu_kernels:
-            kernels = load_cpu_kernels()
-            self.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
+        kernels = load_cpu_kernels() if device.type == "cpu" and use_cpu_kernels else None
+        if kernels is not None:
+            self.decode_kernel = kernels.paged_decode_attention
         if use_cpu_kernels and can_pack_linear_weights(device, dtype):
             pack_linear_weights(model, batch_size_hint)
+            if kernels is not None:
+                use_fused_ops(model, kernels)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -1,0 +1,19 @@
+// The Python module of pagedserve's CPU kernels (built by pagedserve/worker/cpu_kernels.py).
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale);
+bool has_fused_bf16_ops();
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void rotary_embedding_(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_and_mul(torch::Tensor x);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("has_fused_bf16_ops", &has_fused_bf16_ops, "Whether the fused bf16 ops below were compiled (AVX-512)");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; RMSNorm(residual) (bf16)");
+  m.def("rms_norm", &rms_norm, "RMSNorm (bf16)");
+  m.def("rotary_embedding_", &rotary_embedding_, "Rotate-half rope in place (bf16)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (bf16)");
+}

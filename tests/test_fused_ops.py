@@ -1,0 +1,73 @@
+"""The fused C++ bf16 ops against the PyTorch layers they replace, on odd shapes and extreme values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
+from pagedserve.worker.cpu_kernels import load_cpu_kernels
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = load_cpu_kernels()
+    if module is None or not module.has_fused_bf16_ops():
+        pytest.skip("the fused bf16 ops are not built on this machine (no compiler or no AVX-512)")
+    return module
+
+
+def assert_bf16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal, or one bf16 rounding step apart where float32 summation order differs."""
+    assert out.dtype == ref.dtype == BF16 and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-6, rtol=2 ** -7)
+    assert (out != ref).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("rows, hidden", [(1, 576), (3, 100), (40, 64), (17, 2048)])
+def test_rms_norm_with_and_without_residual(kernels, rows, hidden):
+    torch.manual_seed(rows)
+    norm = RMSNorm(hidden, 1e-5, dtype=BF16)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(rows, hidden).to(BF16)
+    residual = (torch.randn(rows, hidden) * 4).to(BF16)
+    ref_residual, fused_residual = residual.clone(), residual.clone()
+    ref, _ = norm(x, ref_residual)
+    out = kernels.add_rms_norm_(x, fused_residual, norm.weight, norm.eps)
+    assert torch.equal(fused_residual, ref_residual)  # the residual add is one bf16 rounding either way
+    assert_bf16_close(out, ref)
+    assert_bf16_close(kernels.rms_norm(x, norm.weight, norm.eps), norm(x))
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_rotary_in_place_on_a_qkv_view(kernels, head_dim):
+    torch.manual_seed(head_dim)
+    heads, kv_heads, tokens = 6, 2, 9
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, dtype=BF16)
+    cos, sin = rope(torch.randint(0, 4096, (tokens,)))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(BF16)
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    ref = apply_rotary_emb(qk, cos, sin)
+    kernels.rotary_embedding_(qk, cos, sin)
+    assert_bf16_close(qk.contiguous(), ref)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (5, 24), (33, 100)])
+def test_silu_and_mul_including_saturated_gates(kernels, rows, inter):
+    torch.manual_seed(inter)
+    x = (torch.randn(rows, 2 * inter) * 5).to(BF16)
+    x[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0], dtype=BF16)  # exp overflow / underflow in silu
+    out = kernels.silu_and_mul(x)
+    assert torch.isfinite(out.float()).all()
+    assert_bf16_close(out, SiluAndMul()(x))
+
+
+def test_bad_inputs_raise(kernels):
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="odd|2 \\* intermediate"):
+        kernels.silu_and_mul(torch.randn(2, 7).to(BF16))
