@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.worker.attention import _decode_attention, build_attention_metadata, paged_attention
+from pagedserve.worker.attention import _decode_attention, build_attention_metadata, paged_attention, write_kv
 from pagedserve.worker.cpu_kernels import load_cpu_kernels
 
 HEADS, KV_HEADS, DIM, BS = 4, 2, 8, 4
@@ -64,3 +64,22 @@ def test_cpu_kernel_matches_reference_decode(dtype, tol, head_dim):
     out = kernels.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, head_dim**-0.5)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), reference, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_cache_write_matches_reference_on_qkv_views(dtype):
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("the C++ kernel could not be built on this machine")
+    torch.manual_seed(0)
+    kv_heads, dim, tokens = 3, 64, 7
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * dim).to(dtype)  # k and v are strided views into it
+    key = qkv[:, 9 * dim:(9 + kv_heads) * dim].view(tokens, kv_heads, dim)
+    value = qkv[:, (9 + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    slots = torch.tensor([5, 0, 63, 17, 18, 40, 2])
+    expected, cache = torch.zeros(2, 4, 16, kv_heads, dim, dtype=dtype), torch.zeros(2, 4, 16, kv_heads, dim, dtype=dtype)
+    write_kv(expected, key, value, slots)
+    kernels.write_kv_cache_(cache, key, value, slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.write_kv_cache_(cache, key, value, torch.tensor([0, 1, 2, 3, 4, 5, 64]))

@@ -3,6 +3,7 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale);
+void write_kv_cache_(torch::Tensor kv_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping);
 bool has_fused_bf16_ops();
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -11,6 +12,7 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("write_kv_cache_", &write_kv_cache_, "Store new keys/values at their cache slots");
   m.def("has_fused_bf16_ops", &has_fused_bf16_ops, "Whether the fused bf16 ops below were compiled (AVX-512)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; RMSNorm(residual) (bf16)");
   m.def("rms_norm", &rms_norm, "RMSNorm (bf16)");

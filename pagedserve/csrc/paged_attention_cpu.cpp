@@ -6,6 +6,8 @@
 // block_tables: [num_seqs, max_num_blocks] int64
 // seq_lens:     [num_seqs] int64
 // returns       [num_seqs, num_heads, head_dim] in q's dtype
+//
+// write_kv_cache_ stores each new token's keys and values at its slot (block * block_size + offset).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -412,4 +414,31 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
     decode_attention_kernel<scalar_t>(q, kv_cache, block_tables, seq_lens, scale, out);
   });
   return out;
+}
+
+void write_kv_cache_(torch::Tensor kv_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be a contiguous [2, blocks, bs, kv_heads, dim]");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
+              "key and value must have the cache's dtype");
+  const int64_t num_tokens = key.size(0);
+  const int64_t row = kv_cache.size(3) * kv_cache.size(4);  // elements of one token's keys (or values)
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(1) * key.size(2) == row && value.sizes() == key.sizes(),
+              "key and value must be [tokens, kv_heads, dim] like the cache");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 && value.stride(1) == value.size(2),
+              "each token's keys and values must be contiguous");
+  slot_mapping = slot_mapping.to(torch::kInt64).contiguous();
+  TORCH_CHECK(slot_mapping.numel() == num_tokens, "one slot per token");
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+  const int64_t bytes = row * kv_cache.element_size();
+  auto* k_dst = static_cast<char*>(kv_cache.data_ptr());
+  auto* v_dst = k_dst + num_slots * bytes;
+  const auto* k_src = static_cast<const char*>(key.data_ptr());
+  const auto* v_src = static_cast<const char*>(value.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    std::memcpy(k_dst + slots[t] * bytes, k_src + t * k_stride, bytes);
+    std::memcpy(v_dst + slots[t] * bytes, v_src + t * v_stride, bytes);
+  }
 }

@@ -9,8 +9,8 @@ The reference backend here is plain PyTorch (SDPA) and runs on any device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +33,9 @@ class AttentionMetadata:
     seq_lens_host: list[int]  # same as seq_lens, on the host
     num_decodes: int  # the first num_decodes requests have exactly one query token
     block_size: int
-    # (q [n, heads, dim], kv_cache, block_tables [n, m], seq_lens [n], scale) -> [n, heads, dim];
-    # a compiled kernel chosen by the model runner, or None for the PyTorch reference
-    decode_kernel: Callable[..., torch.Tensor] | None = None
+    # the compiled CPU kernels (paged_decode_attention, write_kv_cache_) chosen by the model runner,
+    # or None for the PyTorch reference
+    kernels: ModuleType | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -48,7 +48,7 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device | str = "cpu",
-    decode_kernel: Callable[..., torch.Tensor] | None = None,
+    kernels: ModuleType | None = None,
 ) -> AttentionMetadata:
     """Metadata for requests that already hold ``num_computed[i]`` tokens and add ``num_new[i]``.
 
@@ -78,7 +78,7 @@ def build_attention_metadata(
         seq_lens_host=seq_lens,
         num_decodes=num_decodes,
         block_size=block_size,
-        decode_kernel=decode_kernel,
+        kernels=kernels,
     )
 
 
@@ -99,12 +99,18 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Write the new K/V to the cache, then attend each query token to its request's context."""
-    write_kv(kv_cache, key, value, meta.slot_mapping)
+    kernels = meta.kernels
+    if kernels is not None and key.dtype == kv_cache.dtype:
+        kernels.write_kv_cache_(kv_cache, key, value, meta.slot_mapping)
+    else:
+        write_kv(kv_cache, key, value, meta.slot_mapping)
+    if kernels is not None and meta.num_decodes == meta.num_reqs:  # a pure decode step: one kernel call
+        return kernels.paged_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale)
     out = torch.empty_like(query)
     if meta.num_decodes:
         num = meta.num_decodes
-        if meta.decode_kernel is not None:
-            out[:num] = meta.decode_kernel(query[:num], kv_cache, meta.block_tables[:num], meta.seq_lens[:num], scale)
+        if kernels is not None:
+            out[:num] = kernels.paged_decode_attention(query[:num], kv_cache, meta.block_tables[:num], meta.seq_lens[:num], scale)
         else:
             out[:num] = _decode_attention(query[:num], kv_cache, meta, scale)
     for i in range(meta.num_decodes, meta.num_reqs):

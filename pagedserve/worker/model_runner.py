@@ -52,10 +52,8 @@ class ModelRunner:
         ]
         generator = torch.Generator(device=device).manual_seed(seed)
         self.sampler = Sampler(vocab_size, generator)
-        self.decode_kernel = None
         kernels = load_cpu_kernels() if device.type == "cpu" and use_cpu_kernels else None
-        if kernels is not None:
-            self.decode_kernel = kernels.paged_decode_attention
+        self.kernels = kernels  # decode attention and cache writes in C++, or None for the PyTorch reference
         if use_cpu_kernels and can_pack_linear_weights(device, dtype):
             pack_linear_weights(model, batch_size_hint)
             if kernels is not None:
@@ -79,7 +77,7 @@ class ModelRunner:
             [item.request.block_ids for item in items],
             self.block_size,
             self.device,
-            self.decode_kernel,
+            self.kernels,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [num_tokens]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [num_tokens]
