@@ -1,8 +1,8 @@
 """Where one decode step's time goes: N requests decoding together at a given context length.
 
 Runs the engine offline (no server), lets every request finish its prefill, then times
-``--steps`` decode steps end to end and once more under the torch profiler, printing the
-top operators by self CPU time.
+``--steps`` decode steps end to end (and the share of them spent in the model forward, logits
+included), and once more under the torch profiler, printing the top operators by self CPU time.
 
     python scripts/profile_decode.py --batch 64 --context 256
 """
@@ -15,6 +15,23 @@ import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+
+def time_spent_in(module: torch.nn.Module, methods: tuple[str, ...]) -> list[float]:
+    """Wrap ``module``'s methods so that the returned one-element list accumulates their wall time."""
+    total = [0.0]
+    for name in methods:
+        original = getattr(module, name)
+
+        def timed(*args, _original=original, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                total[0] += time.perf_counter() - start
+
+        setattr(module, name, timed)
+    return total
 
 
 def main() -> None:
@@ -42,11 +59,14 @@ def main() -> None:
         engine.step()
     for _ in range(3):
         engine.step()
+    in_forward = time_spent_in(engine.runner.model, ("forward", "compute_logits"))
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
-    step_ms = (time.perf_counter() - start) / args.steps * 1e3
-    print(f"batch {args.batch}, context ~{args.context}: {step_ms:.1f} ms/step, {args.batch / step_ms * 1e3:.0f} tok/s")
+    elapsed = time.perf_counter() - start
+    step_ms = elapsed / args.steps * 1e3
+    print(f"batch {args.batch}, context ~{args.context}: {step_ms:.1f} ms/step, {args.batch / step_ms * 1e3:.0f} tok/s, "
+          f"{100 * (1 - in_forward[0] / elapsed):.1f} % of the step outside the model forward and logits")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             engine.step()

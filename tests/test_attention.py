@@ -83,3 +83,15 @@ def test_cpu_cache_write_matches_reference_on_qkv_views(dtype):
     assert torch.equal(cache, expected)
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernels.write_kv_cache_(cache, key, value, torch.tensor([0, 1, 2, 3, 4, 5, 64]))
+
+
+def test_cpu_kernel_rejects_a_length_beyond_the_block_table():
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("the C++ kernel could not be built on this machine")
+    cache = torch.zeros(2, 8, 16, 3, 64, dtype=torch.bfloat16)
+    q = torch.zeros(1, 9, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        kernels.paged_decode_attention(q, cache, torch.tensor([[1, 2]]), torch.tensor([33]), 0.125)
+    with pytest.raises(RuntimeError, match="one block table row"):
+        kernels.paged_decode_attention(q, cache, torch.tensor([[1, 2]]), torch.tensor([3, 4]), 0.125)

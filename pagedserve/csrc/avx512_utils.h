@@ -39,6 +39,7 @@ inline __m512 exp_avx512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
 // Lanes [0, n) of 16 bf16 values as float32; the others read as 0 (nothing past n is touched).
 inline __m512 load_bf16_masked(const at::BFloat16* p, int64_t n) {
   const __m256i raw = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1u), p);
@@ -60,6 +61,7 @@ inline __m512 round_bf16(__m512 v) {
   bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
   return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
+#endif  // AVX512BW && AVX512VL
 
 }  // namespace pagedserve
 #endif

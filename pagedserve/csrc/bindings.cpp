@@ -10,12 +10,16 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void rotary_embedding_(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
 
+// Every op drops the GIL while it runs: with the engine core in a thread of the server process,
+// the event loop keeps serving HTTP meanwhile.
+using ReleaseGil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
-  m.def("write_kv_cache_", &write_kv_cache_, "Store new keys/values at their cache slots");
-  m.def("has_fused_bf16_ops", &has_fused_bf16_ops, "Whether the fused bf16 ops below were compiled (AVX-512)");
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; RMSNorm(residual) (bf16)");
-  m.def("rms_norm", &rms_norm, "RMSNorm (bf16)");
-  m.def("rotary_embedding_", &rotary_embedding_, "Rotate-half rope in place (bf16)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (bf16)");
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", ReleaseGil());
+  m.def("write_kv_cache_", &write_kv_cache_, "Store new keys/values at their cache slots", ReleaseGil());
+  m.def("has_fused_bf16_ops", &has_fused_bf16_ops, "Whether the fused bf16 ops below were compiled (AVX-512)", ReleaseGil());
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; RMSNorm(residual) (bf16)", ReleaseGil());
+  m.def("rms_norm", &rms_norm, "RMSNorm (bf16)", ReleaseGil());
+  m.def("rotary_embedding_", &rotary_embedding_, "Rotate-half rope in place (bf16)", ReleaseGil());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (bf16)", ReleaseGil());
 }

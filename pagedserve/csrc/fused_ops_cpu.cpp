@@ -20,12 +20,17 @@ namespace {
 
 constexpr int64_t kRowGrain = 16;  // rows per parallel task: small batches stay on one thread
 
+void check_weight(const torch::Tensor& weight, const torch::Tensor& x) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.numel() == x.size(1), "weight must be bfloat16 [hidden]");
+}
+
 void check_bf16_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, features] with contiguous rows");
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 using pagedserve::exp_avx512;
 using pagedserve::load_bf16_masked;
 using pagedserve::round_bf16;
@@ -51,7 +56,7 @@ void norm_row(const at::BFloat16* row, const at::BFloat16* weight, at::BFloat16*
 }  // namespace
 
 bool has_fused_bf16_ops() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   return true;
 #else
   return false;
@@ -62,9 +67,10 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
   check_bf16_rows(x, "x");
   check_bf16_rows(residual, "residual");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have the same shape");
+  check_weight(weight, x);
   weight = weight.contiguous();
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   const int64_t hidden = x.size(1);
   const auto* x_ptr = x.data_ptr<at::BFloat16>();
   auto* r_ptr = residual.data_ptr<at::BFloat16>();
@@ -82,16 +88,17 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
     }
   });
 #else
-  TORCH_CHECK(false, "fused bf16 ops need AVX-512");
+  TORCH_CHECK(false, "fused bf16 ops need AVX-512 (F, BW, VL)");
 #endif
   return out;
 }
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_bf16_rows(x, "x");
+  check_weight(weight, x);
   weight = weight.contiguous();
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   const int64_t hidden = x.size(1);
   const auto* x_ptr = x.data_ptr<at::BFloat16>();
   const auto* w_ptr = weight.data_ptr<at::BFloat16>();
@@ -100,7 +107,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
     for (int64_t i = begin; i < end; ++i) norm_row(x_ptr + i * x.stride(0), w_ptr, o_ptr + i * hidden, hidden, static_cast<float>(eps));
   });
 #else
-  TORCH_CHECK(false, "fused bf16 ops need AVX-512");
+  TORCH_CHECK(false, "fused bf16 ops need AVX-512 (F, BW, VL)");
 #endif
   return out;
 }
@@ -108,12 +115,13 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 void rotary_embedding_(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(qk.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
               "qk, cos and sin must be bfloat16");
+  TORCH_CHECK(qk.device().is_cpu(), "qk must be on the CPU");
   TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1, "qk must be [tokens, heads, head_dim] with contiguous heads");
   const int64_t half = qk.size(2) / 2;
   TORCH_CHECK(qk.size(2) % 2 == 0 && cos.size(-1) == half && sin.size(-1) == half && cos.stride(-1) == 1 && sin.stride(-1) == 1,
               "cos and sin must be [tokens, 1, head_dim / 2] with contiguous rows");
   TORCH_CHECK(cos.size(0) == qk.size(0) && sin.size(0) == qk.size(0), "one cos/sin row per token");
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   const int64_t num_heads = qk.size(1);
   auto* qk_ptr = qk.data_ptr<at::BFloat16>();
   const auto* cos_ptr = cos.data_ptr<at::BFloat16>();
@@ -138,7 +146,7 @@ void rotary_embedding_(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin) {
     }
   });
 #else
-  TORCH_CHECK(false, "fused bf16 ops need AVX-512");
+  TORCH_CHECK(false, "fused bf16 ops need AVX-512 (F, BW, VL)");
 #endif
 }
 
@@ -147,7 +155,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.size(1) % 2 == 0, "x must be [rows, 2 * intermediate]");
   const int64_t inter = x.size(1) / 2;
   auto out = torch::empty({x.size(0), inter}, x.options());
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   const auto* x_ptr = x.data_ptr<at::BFloat16>();
   auto* o_ptr = out.data_ptr<at::BFloat16>();
   const __m512 one = _mm512_set1_ps(1.f);
@@ -164,7 +172,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
     }
   });
 #else
-  TORCH_CHECK(false, "fused bf16 ops need AVX-512");
+  TORCH_CHECK(false, "fused bf16 ops need AVX-512 (F, BW, VL)");
 #endif
   return out;
 }

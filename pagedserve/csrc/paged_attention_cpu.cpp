@@ -385,10 +385,19 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5, "q must be [seqs, heads, dim], kv_cache [2, blocks, bs, kv_heads, dim]");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache must have the same dtype");
   TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "q and kv_cache must be on the CPU");
+  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == q.size(2), "kv_cache head_dim must match q");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && seq_lens.numel() == q.size(0),
+              "one block table row and one length per sequence");
   q = q.contiguous();
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
   block_tables = block_tables.to(torch::kInt64).contiguous();
   seq_lens = seq_lens.to(torch::kInt64).contiguous();
+  {
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    const int64_t capacity = block_tables.size(1) * kv_cache.size(2);
+    for (int64_t i = 0; i < q.size(0); ++i) TORCH_CHECK(lens[i] >= 0 && lens[i] <= capacity, "a sequence is longer than its block table");
+  }
   auto out = torch::empty_like(q);
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16 && (q.size(2) == 64 || q.size(2) == 128)) {
