@@ -241,6 +241,11 @@ inline __m512 hsum16_avx512(const __m512* v) {
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
+#ifndef PAGEDSERVE_PREFETCH_TOKENS
+#define PAGEDSERVE_PREFETCH_TOKENS 16  // how far ahead (in context tokens) rows are prefetched
+#endif
+constexpr int64_t kPrefetchAhead = PAGEDSERVE_PREFETCH_TOKENS;
+
 // Ask for one cached token row ahead of use: rows sit in blocks scattered over the cache, so the
 // hardware prefetcher loses the stream at every block boundary.
 inline void prefetch_row(const uint16_t* row, int64_t elements) {
@@ -287,9 +292,12 @@ void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& k
         for (int c = 0; c < NC; ++c) qv[h * NC + c] = _mm512_loadu_si512(q_ptr + (seq * num_heads + h) * head_dim + 32 * c);
       }
       scores.assign(num_heads * len_pad, 0.f);
+      for (int64_t t = 0; t < std::min<int64_t>(kPrefetchAhead, len); ++t) {
+        prefetch_row(k_base + (table[t / block_size] * block_size + t % block_size) * token_stride, token_stride);
+      }
       for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, len - t0);
-        for (int64_t t = t0 + 16; t < std::min<int64_t>(t0 + 32, len); ++t) {
+        for (int64_t t = t0 + kPrefetchAhead; t < std::min<int64_t>(t0 + kPrefetchAhead + 16, len); ++t) {
           prefetch_row(k_base + (table[t / block_size] * block_size + t % block_size) * token_stride, token_stride);
         }
         for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
@@ -327,11 +335,11 @@ void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& k
         }
       }
       for (auto& a : acc) a = _mm512_setzero_ps();
-      for (int64_t t = 0; t < std::min<int64_t>(16, len); ++t) {
+      for (int64_t t = 0; t < std::min<int64_t>(kPrefetchAhead, len); ++t) {
         prefetch_row(v_base + (table[t / block_size] * block_size + t % block_size) * token_stride, token_stride);
       }
       for (int64_t t = 0; t < len; t += 2) {
-        for (int64_t ahead = t + 16; ahead < std::min<int64_t>(t + 18, len); ++ahead) {
+        for (int64_t ahead = t + kPrefetchAhead; ahead < std::min<int64_t>(t + kPrefetchAhead + 2, len); ++ahead) {
           prefetch_row(v_base + (table[ahead / block_size] * block_size + ahead % block_size) * token_stride, token_stride);
         }
         const int64_t slot_a = table[t / block_size] * block_size + t % block_size;
