@@ -15,6 +15,7 @@ from pagedserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, Sc
 from pagedserve.outputs import TokenLogprob
 from pagedserve.worker.attention import build_attention_metadata
 from pagedserve.worker.cpu_kernels import load_cpu_kernels
+from pagedserve.worker.host_memory import zeros_on_huge_pages
 from pagedserve.worker.cpu_fast_paths import can_pack_linear_weights, pack_linear_weights, use_fused_ops
 from pagedserve.worker.sampler import Sampler, SamplingRow
 
@@ -47,7 +48,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+            zeros_on_huge_pages((2, num_blocks, block_size, num_kv_heads, head_dim), dtype, device)
             for _ in range(num_layers)
         ]
         generator = torch.Generator(device=device).manual_seed(seed)
