@@ -139,3 +139,20 @@ def test_seeded_generators_do_not_depend_on_batch(llm):
     batched = llm.generate(["Write a poem about rain.", "Another prompt here", "And a third one"], params)[0]
     assert batched.outputs[0].token_ids == alone
     torch.manual_seed(0)
+
+
+def test_block_size_defaults_per_device(llm):
+    from pagedserve.config import CacheConfig
+
+    assert llm.engine.block_size == 128  # a CPU engine, block size left to the default
+    assert CacheConfig().resolved_block_size("cuda") == 16
+    assert CacheConfig(block_size=32).resolved_block_size("cpu") == 32
+    with pytest.raises(ValueError, match="power of two"):
+        CacheConfig(block_size=48)
+    # a prompt that fills one 128-token block is served from the prefix cache the second time
+    prompt = {"prompt_token_ids": [(7 * i) % 1000 + 10 for i in range(200)]}
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    first, again = llm.generate(prompt, params), llm.generate(prompt, params)
+    assert first[0].num_cached_tokens == 0 and again[0].num_cached_tokens == 128
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    assert_no_leak(llm)

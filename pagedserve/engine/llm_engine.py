@@ -40,11 +40,12 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         loaded = loaded or load_model(config.model, self.device)
         cache = config.cache
+        self.block_size = block_size = cache.resolved_block_size(self.device.type)
         block_bytes = kv_cache_bytes_per_block(
-            loaded.num_layers, cache.block_size, loaded.num_kv_heads, loaded.head_dim, loaded.dtype
+            loaded.num_layers, block_size, loaded.num_kv_heads, loaded.head_dim, loaded.dtype
         )
         num_blocks = cache.num_blocks_override or max(2, cache.kv_cache_memory // block_bytes)
-        capacity = (num_blocks - 1) * cache.block_size
+        capacity = (num_blocks - 1) * block_size
         self.max_model_len = min(loaded.max_model_len, capacity)
         if self.max_model_len < loaded.max_model_len:
             logger.warning(
@@ -53,7 +54,7 @@ class LLMEngine:
             )
         self.vocab_size = loaded.vocab_size
         self.eos_token_ids = loaded.eos_token_ids
-        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(num_blocks, block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.runner = ModelRunner(
             loaded.model,
@@ -62,7 +63,7 @@ class LLMEngine:
             head_dim=loaded.head_dim,
             vocab_size=loaded.vocab_size,
             num_blocks=num_blocks,
-            block_size=cache.block_size,
+            block_size=block_size,
             dtype=loaded.dtype,
             device=self.device,
             seed=config.model.seed,
@@ -76,13 +77,13 @@ class LLMEngine:
             tokenizer=loaded.tokenizer,
             generation_config=dict(loaded.generation_config),
             num_kv_blocks=num_blocks - 1,
-            block_size=cache.block_size,
+            block_size=block_size,
             engine_name="paged",
         )
         self.dtype = loaded.dtype
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), dtype %s, device %s",
-            num_blocks - 1, cache.block_size, capacity, num_blocks * block_bytes / 2**20, loaded.dtype, self.device,
+            num_blocks - 1, block_size, capacity, num_blocks * block_bytes / 2**20, loaded.dtype, self.device,
         )
 
     @classmethod

@@ -52,7 +52,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument("--engine-core", default="process", choices=["process", "thread"],
                         help="process: the paged engine steps in its own process (no GIL contention with HTTP "
                              "handling); thread: in a thread of the server process")
-    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--block-size", type=int, default=None,
+                        help="KV cache block size in tokens (default: 128 on CPUs, as vLLM's CPU backend; 16 on GPUs)")
     engine.add_argument("--kv-cache-memory", type=_size_arg, default=parse_size("1GiB"),
                         help="bytes for the KV cache of all layers, e.g. 2GiB (default 1GiB)")
     engine.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")

@@ -33,7 +33,7 @@ class LLM:
         tokenizer: str | None = None,
         dtype: str = "auto",
         max_model_len: int | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         kv_cache_memory: str | int = "1GiB",
         num_kv_blocks: int | None = None,
         enable_prefix_caching: bool = True,
