@@ -35,10 +35,10 @@ def test_rms_norm_with_and_without_residual(kernels, rows, hidden):
     residual = (torch.randn(rows, hidden) * 4).to(BF16)
     ref_residual, fused_residual = residual.clone(), residual.clone()
     ref, _ = norm(x, ref_residual)
-    out = kernels.add_rms_norm_(x, fused_residual, norm.weight, norm.eps)
+    out = kernels.rms_norm(x, fused_residual, norm.weight, norm.eps)
     assert torch.equal(fused_residual, ref_residual)  # the residual add is one bf16 rounding either way
     assert_bf16_close(out, ref)
-    assert_bf16_close(kernels.rms_norm(x, norm.weight, norm.eps), norm(x))
+    assert_bf16_close(kernels.rms_norm(x, None, norm.weight, norm.eps), norm(x))
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
@@ -68,6 +68,6 @@ def test_silu_and_mul_including_saturated_gates(kernels, rows, inter):
 
 def test_bad_inputs_raise(kernels):
     with pytest.raises(RuntimeError, match="bfloat16"):
-        kernels.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-5)
+        kernels.rms_norm(torch.randn(2, 8), None, torch.ones(8), 1e-5)
     with pytest.raises(RuntimeError, match="odd|2 \\* intermediate"):
         kernels.silu_and_mul(torch.randn(2, 7).to(BF16))

@@ -5,8 +5,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
                                      torch::Tensor seq_lens, double scale);
 void write_kv_cache_(torch::Tensor kv_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slot_mapping);
 bool has_fused_bf16_ops();
-torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 void rotary_embedding_(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
 
@@ -18,8 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", ReleaseGil());
   m.def("write_kv_cache_", &write_kv_cache_, "Store new keys/values at their cache slots", ReleaseGil());
   m.def("has_fused_bf16_ops", &has_fused_bf16_ops, "Whether the fused bf16 ops below were compiled (AVX-512)", ReleaseGil());
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; RMSNorm(residual) (bf16)", ReleaseGil());
-  m.def("rms_norm", &rms_norm, "RMSNorm (bf16)", ReleaseGil());
+  m.def("rms_norm", &rms_norm, "RMSNorm (bf16); with a residual: residual += x in place, RMSNorm(residual)",
+        ReleaseGil());
   m.def("rotary_embedding_", &rotary_embedding_, "Rotate-half rope in place (bf16)", ReleaseGil());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (bf16)", ReleaseGil());
 }

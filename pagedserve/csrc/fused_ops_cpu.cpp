@@ -3,8 +3,8 @@
 // bf16 exactly where the chain of bf16 tensor ops would, so results match the PyTorch path up to
 // float32 summation order.
 //
-// add_rms_norm_:   residual += x (bf16); returns weight * bf16(rms_norm(residual))   [rows, hidden]
-// rms_norm:        weight * bf16(rms_norm(x))                                        [rows, hidden]
+// rms_norm:        weight * bf16(rms_norm(x)); with a residual, first residual += x (bf16, in place)
+//                  and the residual is normalized                                    [rows, hidden]
 // rotary_embedding_: rotate-half rope of qk [tokens, heads, head_dim] in place with cos/sin
 //                  [tokens, 1, head_dim / 2]
 // silu_and_mul:    bf16(silu(gate)) * up for x = [gate | up]                        [rows, 2 * inter]
@@ -63,48 +63,35 @@ bool has_fused_bf16_ops() {
 #endif
 }
 
-torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
   check_bf16_rows(x, "x");
-  check_bf16_rows(residual, "residual");
-  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have the same shape");
+  if (residual) {
+    check_bf16_rows(*residual, "residual");
+    TORCH_CHECK(x.sizes() == residual->sizes(), "x and residual must have the same shape");
+  }
   check_weight(weight, x);
   weight = weight.contiguous();
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   const int64_t hidden = x.size(1);
   const auto* x_ptr = x.data_ptr<at::BFloat16>();
-  auto* r_ptr = residual.data_ptr<at::BFloat16>();
+  at::BFloat16* r_ptr = residual ? residual->data_ptr<at::BFloat16>() : nullptr;
+  const int64_t r_stride = residual ? residual->stride(0) : 0;
   const auto* w_ptr = weight.data_ptr<at::BFloat16>();
   auto* o_ptr = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      at::BFloat16* r = r_ptr + i * residual.stride(0);
-      for (int64_t j = 0; j < hidden; j += 16) {
-        const int64_t n = std::min<int64_t>(16, hidden - j);
-        const __m512 sum = _mm512_add_ps(load_bf16_masked(r + j, n), load_bf16_masked(x_ptr + i * x.stride(0) + j, n));
-        store_bf16_masked(r + j, sum, n);
+      const at::BFloat16* row = x_ptr + i * x.stride(0);
+      if (r_ptr != nullptr) {  // residual += x, then normalize the residual
+        at::BFloat16* r = r_ptr + i * r_stride;
+        for (int64_t j = 0; j < hidden; j += 16) {
+          const int64_t n = std::min<int64_t>(16, hidden - j);
+          store_bf16_masked(r + j, _mm512_add_ps(load_bf16_masked(r + j, n), load_bf16_masked(row + j, n)), n);
+        }
+        row = r;
       }
-      norm_row(r, w_ptr, o_ptr + i * hidden, hidden, static_cast<float>(eps));
+      norm_row(row, w_ptr, o_ptr + i * hidden, hidden, static_cast<float>(eps));
     }
-  });
-#else
-  TORCH_CHECK(false, "fused bf16 ops need AVX-512 (F, BW, VL)");
-#endif
-  return out;
-}
-
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  check_bf16_rows(x, "x");
-  check_weight(weight, x);
-  weight = weight.contiguous();
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  const int64_t hidden = x.size(1);
-  const auto* x_ptr = x.data_ptr<at::BFloat16>();
-  const auto* w_ptr = weight.data_ptr<at::BFloat16>();
-  auto* o_ptr = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) norm_row(x_ptr + i * x.stride(0), w_ptr, o_ptr + i * hidden, hidden, static_cast<float>(eps));
   });
 #else
   TORCH_CHECK(false, "fused bf16 ops need AVX-512 (F, BW, VL)");

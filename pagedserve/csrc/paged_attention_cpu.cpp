@@ -32,53 +32,63 @@ using pagedserve::load_bf16x16;
 using pagedserve::store_bf16x16;
 #endif
 
+// The shapes of one decode call, and where each context token of a sequence lives in the cache.
+struct DecodeLayout {
+  int64_t num_seqs, num_heads, num_kv_heads, group, block_size, max_num_blocks;
+  int64_t token_stride;   // elements between consecutive slots: num_kv_heads * head_dim
+  int64_t values_offset;  // elements from the first key to the first value
+  const int64_t* tables;
+  const int64_t* lens;
+
+  DecodeLayout(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+               const torch::Tensor& seq_lens)
+      : num_seqs(q.size(0)), num_heads(q.size(1)), num_kv_heads(kv_cache.size(3)), group(num_heads / num_kv_heads),
+        block_size(kv_cache.size(2)), max_num_blocks(block_tables.size(1)), token_stride(num_kv_heads * q.size(2)),
+        values_offset(kv_cache.size(1) * kv_cache.size(2) * token_stride),
+        tables(block_tables.data_ptr<int64_t>()), lens(seq_lens.data_ptr<int64_t>()) {}
+
+  // Element offset of context token t of sequence seq within the keys (or within the values).
+  int64_t row(int64_t seq, int64_t t) const {
+    return (tables[seq * max_num_blocks + t / block_size] * block_size + t % block_size) * token_stride;
+  }
+};
+
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
 template <typename scalar_t>
 void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
-  const int64_t num_seqs = q.size(0);
-  const int64_t num_heads = q.size(1);
   const int64_t head_dim = q.size(2);
-  const int64_t num_blocks = kv_cache.size(1);
-  const int64_t block_size = kv_cache.size(2);
-  const int64_t num_kv_heads = kv_cache.size(3);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_num_blocks = block_tables.size(1);
+  const DecodeLayout L(q, kv_cache, block_tables, seq_lens);
 
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
-  const scalar_t* v_base = k_base + num_blocks * block_size * num_kv_heads * head_dim;
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const scalar_t* v_base = k_base + L.values_offset;
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim);
-    std::vector<float> acc(group * head_dim);
+  at::parallel_for(0, L.num_seqs * L.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(L.group * head_dim);
+    std::vector<float> acc(L.group * head_dim);
     std::vector<float> scores;
     std::vector<float> row(head_dim);
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t seq = work / num_kv_heads;
-      const int64_t kv_head = work % num_kv_heads;
-      const int64_t len = lens[seq];
-      const int64_t* table = tables + seq * max_num_blocks;
-      for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* src = q_ptr + (seq * num_heads + kv_head * group + g) * head_dim;
+      const int64_t seq = work / L.num_kv_heads;
+      const int64_t kv_head = work % L.num_kv_heads;
+      const int64_t len = L.lens[seq];
+      for (int64_t g = 0; g < L.group; ++g) {
+        const scalar_t* src = q_ptr + (seq * L.num_heads + kv_head * L.group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(src[d]) * fscale;
       }
-      scores.assign(group * len, 0.f);
+      scores.assign(L.group * len, 0.f);
       // scores[g][t] = q_g . k_t  (each key row converted to float once, used by the whole group)
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const scalar_t* k = k_base + slot * token_stride + kv_head * head_dim;
+        const scalar_t* k = k_base + L.row(seq, t) + kv_head * head_dim;
         float* kf = row.data();
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) kf[d] = to_float(k[d]);
-        for (int64_t g = 0; g < group; ++g) {
+        for (int64_t g = 0; g < L.group; ++g) {
           const float* qg = qf.data() + g * head_dim;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -87,7 +97,7 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& kv_cac
         }
       }
       // softmax over t, per query head
-      for (int64_t g = 0; g < group; ++g) {
+      for (int64_t g = 0; g < L.group; ++g) {
         float* sg = scores.data() + g * len;
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
@@ -102,20 +112,19 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& kv_cac
       // acc[g] = sum_t p[g][t] * v_t
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const scalar_t* v = v_base + slot * token_stride + kv_head * head_dim;
+        const scalar_t* v = v_base + L.row(seq, t) + kv_head * head_dim;
         float* vf = row.data();
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) vf[d] = to_float(v[d]);
-        for (int64_t g = 0; g < group; ++g) {
+        for (int64_t g = 0; g < L.group; ++g) {
           const float p = scores[g * len + t];
           float* ag = acc.data() + g * head_dim;
 #pragma omp simd
           for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * vf[d];
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        scalar_t* dst = out_ptr + (seq * num_heads + kv_head * group + g) * head_dim;
+      for (int64_t g = 0; g < L.group; ++g) {
+        scalar_t* dst = out_ptr + (seq * L.num_heads + kv_head * L.group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
       }
     }
@@ -153,65 +162,53 @@ template <int DV>
 void decode_attention_bf16_avx512(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
                                   const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
   constexpr int64_t head_dim = 16 * DV;
-  const int64_t num_seqs = q.size(0);
-  const int64_t num_heads = q.size(1);
-  const int64_t num_blocks = kv_cache.size(1);
-  const int64_t block_size = kv_cache.size(2);
-  const int64_t num_kv_heads = kv_cache.size(3);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_num_blocks = block_tables.size(1);
+  const DecodeLayout L(q, kv_cache, block_tables, seq_lens);
   const auto* q_ptr = q.data_ptr<at::BFloat16>();
   const auto* k_base = kv_cache.data_ptr<at::BFloat16>();
-  const auto* v_base = k_base + num_blocks * block_size * num_kv_heads * head_dim;
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const auto* v_base = k_base + L.values_offset;
   auto* out_ptr = out.data_ptr<at::BFloat16>();
-  const int64_t token_stride = num_kv_heads * head_dim;
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
 
   // NOTE: one work item is a whole sequence, so each cached row (all KV heads) is read once,
   // front to back, which keeps the hardware prefetcher streaming.
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512> qv(num_heads * DV);
-    std::vector<__m512> acc(num_heads * DV);
+  at::parallel_for(0, L.num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512> qv(L.num_heads * DV);
+    std::vector<__m512> acc(L.num_heads * DV);
     std::vector<float> scores;
     for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t len = lens[seq];
-      const int64_t* table = tables + seq * max_num_blocks;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const auto* src = q_ptr + (seq * num_heads + h) * head_dim;
+      const int64_t len = L.lens[seq];
+      for (int64_t h = 0; h < L.num_heads; ++h) {
+        const auto* src = q_ptr + (seq * L.num_heads + h) * head_dim;
         for (int d = 0; d < DV; ++d) qv[h * DV + d] = _mm512_mul_ps(load_bf16x16(src + 16 * d), vscale);
       }
-      scores.resize(num_heads * len);
+      scores.resize(L.num_heads * len);
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const auto* k_row = k_base + slot * token_stride;
-        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        const auto* k_row = k_base + L.row(seq, t);
+        for (int64_t kv_head = 0; kv_head < L.num_kv_heads; ++kv_head) {
           __m512 kr[DV];
           for (int d = 0; d < DV; ++d) kr[d] = load_bf16x16(k_row + kv_head * head_dim + 16 * d);
-          for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+          for (int64_t h = kv_head * L.group; h < (kv_head + 1) * L.group; ++h) {
             __m512 s = _mm512_mul_ps(qv[h * DV], kr[0]);
             for (int d = 1; d < DV; ++d) s = _mm512_fmadd_ps(qv[h * DV + d], kr[d], s);
             scores[h * len + t] = _mm512_reduce_add_ps(s);
           }
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h) softmax_avx512(scores.data() + h * len, len);
+      for (int64_t h = 0; h < L.num_heads; ++h) softmax_avx512(scores.data() + h * len, len);
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const auto* v_row = v_base + slot * token_stride;
-        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        const auto* v_row = v_base + L.row(seq, t);
+        for (int64_t kv_head = 0; kv_head < L.num_kv_heads; ++kv_head) {
           __m512 vr[DV];
           for (int d = 0; d < DV; ++d) vr[d] = load_bf16x16(v_row + kv_head * head_dim + 16 * d);
-          for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+          for (int64_t h = kv_head * L.group; h < (kv_head + 1) * L.group; ++h) {
             const __m512 p = _mm512_set1_ps(scores[h * len + t]);
             for (int d = 0; d < DV; ++d) acc[h * DV + d] = _mm512_fmadd_ps(p, vr[d], acc[h * DV + d]);
           }
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        auto* dst = out_ptr + (seq * num_heads + h) * head_dim;
+      for (int64_t h = 0; h < L.num_heads; ++h) {
+        auto* dst = out_ptr + (seq * L.num_heads + h) * head_dim;
         for (int d = 0; d < DV; ++d) store_bf16x16(dst + 16 * d, acc[h * DV + d]);
       }
     }
@@ -261,72 +258,61 @@ template <int NC>
 void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
                                   const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
   constexpr int64_t head_dim = 32 * NC;
-  const int64_t num_seqs = q.size(0);
-  const int64_t num_heads = q.size(1);
-  const int64_t num_blocks = kv_cache.size(1);
-  const int64_t block_size = kv_cache.size(2);
-  const int64_t num_kv_heads = kv_cache.size(3);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_num_blocks = block_tables.size(1);
+  const DecodeLayout L(q, kv_cache, block_tables, seq_lens);
   const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   const auto* k_base = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>());
-  const auto* v_base = k_base + num_blocks * block_size * num_kv_heads * head_dim;
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const auto* v_base = k_base + L.values_offset;
   auto* out_ptr = out.data_ptr<at::BFloat16>();
-  const int64_t token_stride = num_kv_heads * head_dim;
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
 
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512i> qv(num_heads * NC);
-    std::vector<__m512> partial(group * 16);
-    std::vector<__m512> acc(num_heads * 2 * NC);
+  at::parallel_for(0, L.num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> qv(L.num_heads * NC);
+    std::vector<__m512> partial(L.group * 16);
+    std::vector<__m512> acc(L.num_heads * 2 * NC);
     std::vector<float> scores;
     std::vector<uint16_t> probs;
     alignas(64) float lo[16], hi[16], row[head_dim];
     for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t len = lens[seq];
+      const int64_t len = L.lens[seq];
       const int64_t len_pad = (len + 15) / 16 * 16;
-      const int64_t* table = tables + seq * max_num_blocks;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        for (int c = 0; c < NC; ++c) qv[h * NC + c] = _mm512_loadu_si512(q_ptr + (seq * num_heads + h) * head_dim + 32 * c);
+      for (int64_t h = 0; h < L.num_heads; ++h) {
+        for (int c = 0; c < NC; ++c) qv[h * NC + c] = _mm512_loadu_si512(q_ptr + (seq * L.num_heads + h) * head_dim + 32 * c);
       }
-      scores.assign(num_heads * len_pad, 0.f);
+      scores.assign(L.num_heads * len_pad, 0.f);
       for (int64_t t = 0; t < std::min<int64_t>(kPrefetchAhead, len); ++t) {
-        prefetch_row(k_base + (table[t / block_size] * block_size + t % block_size) * token_stride, token_stride);
+        prefetch_row(k_base + L.row(seq, t), L.token_stride);
       }
       for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, len - t0);
         for (int64_t t = t0 + kPrefetchAhead; t < std::min<int64_t>(t0 + kPrefetchAhead + 16, len); ++t) {
-          prefetch_row(k_base + (table[t / block_size] * block_size + t % block_size) * token_stride, token_stride);
+          prefetch_row(k_base + L.row(seq, t), L.token_stride);
         }
-        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        for (int64_t kv_head = 0; kv_head < L.num_kv_heads; ++kv_head) {
           for (int64_t i = 0; i < 16; ++i) {
             if (i >= n) {
-              for (int64_t g = 0; g < group; ++g) partial[g * 16 + i] = _mm512_setzero_ps();
+              for (int64_t g = 0; g < L.group; ++g) partial[g * 16 + i] = _mm512_setzero_ps();
               continue;
             }
             const int64_t t = t0 + i;
-            const int64_t slot = table[t / block_size] * block_size + t % block_size;
-            const uint16_t* k_row = k_base + slot * token_stride + kv_head * head_dim;
+            const uint16_t* k_row = k_base + L.row(seq, t) + kv_head * head_dim;
             __m512i kr[NC];
             for (int c = 0; c < NC; ++c) kr[c] = _mm512_loadu_si512(k_row + 32 * c);
-            for (int64_t g = 0; g < group; ++g) {
-              const int64_t h = kv_head * group + g;
+            for (int64_t g = 0; g < L.group; ++g) {
+              const int64_t h = kv_head * L.group + g;
               __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(qv[h * NC]), as_bh(kr[0]));
               for (int c = 1; c < NC; ++c) s = _mm512_dpbf16_ps(s, as_bh(qv[h * NC + c]), as_bh(kr[c]));
               partial[g * 16 + i] = s;
             }
           }
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = kv_head * group + g;
+          for (int64_t g = 0; g < L.group; ++g) {
+            const int64_t h = kv_head * L.group + g;
             const __m512 sums = _mm512_mul_ps(hsum16_avx512(partial.data() + g * 16), vscale);
             _mm512_mask_storeu_ps(scores.data() + h * len_pad + t0, static_cast<__mmask16>((1u << n) - 1u), sums);
           }
         }
       }
-      probs.assign(num_heads * len_pad, 0);
-      for (int64_t h = 0; h < num_heads; ++h) {
+      probs.assign(L.num_heads * len_pad, 0);
+      for (int64_t h = 0; h < L.num_heads; ++h) {
         float* s = scores.data() + h * len_pad;
         softmax_avx512(s, len);  // entries len .. len_pad stay 0
         for (int64_t t = 0; t < len_pad; t += 16) {
@@ -336,18 +322,16 @@ void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& k
       }
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t t = 0; t < std::min<int64_t>(kPrefetchAhead, len); ++t) {
-        prefetch_row(v_base + (table[t / block_size] * block_size + t % block_size) * token_stride, token_stride);
+        prefetch_row(v_base + L.row(seq, t), L.token_stride);
       }
       for (int64_t t = 0; t < len; t += 2) {
         for (int64_t ahead = t + kPrefetchAhead; ahead < std::min<int64_t>(t + kPrefetchAhead + 2, len); ++ahead) {
-          prefetch_row(v_base + (table[ahead / block_size] * block_size + ahead % block_size) * token_stride, token_stride);
+          prefetch_row(v_base + L.row(seq, ahead), L.token_stride);
         }
-        const int64_t slot_a = table[t / block_size] * block_size + t % block_size;
-        const uint16_t* a_row = v_base + slot_a * token_stride;
+        const uint16_t* a_row = v_base + L.row(seq, t);
         const bool has_b = t + 1 < len;  // never read past the context: a stale slot may hold anything
-        const int64_t slot_b = has_b ? table[(t + 1) / block_size] * block_size + (t + 1) % block_size : 0;
-        const uint16_t* b_row = v_base + slot_b * token_stride;
-        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        const uint16_t* b_row = has_b ? v_base + L.row(seq, t + 1) : a_row;  // (b is zeros then)
+        for (int64_t kv_head = 0; kv_head < L.num_kv_heads; ++kv_head) {
           __m512i vlo[NC], vhi[NC];
           for (int c = 0; c < NC; ++c) {
             const __m512i a = _mm512_loadu_si512(a_row + kv_head * head_dim + 32 * c);
@@ -355,8 +339,8 @@ void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& k
             vlo[c] = _mm512_unpacklo_epi16(a, b);  // per 128-bit lane L: dims 8L..8L+3 of a and b, interleaved
             vhi[c] = _mm512_unpackhi_epi16(a, b);  // dims 8L+4..8L+7
           }
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = kv_head * group + g;
+          for (int64_t g = 0; g < L.group; ++g) {
+            const int64_t h = kv_head * L.group + g;
             uint32_t pair;
             std::memcpy(&pair, probs.data() + h * len_pad + t, sizeof(pair));  // p_t (low half), p_t+1 (high)
             const __m512i p = _mm512_set1_epi32(static_cast<int>(pair));
@@ -367,7 +351,7 @@ void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& k
           }
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h) {
+      for (int64_t h = 0; h < L.num_heads; ++h) {
         for (int c = 0; c < NC; ++c) {  // undo the interleaving: position 4L + r holds dim 8L + r (lo) / 8L + 4 + r (hi)
           _mm512_store_ps(lo, acc[(h * NC + c) * 2]);
           _mm512_store_ps(hi, acc[(h * NC + c) * 2 + 1]);
@@ -378,7 +362,7 @@ void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& k
             }
           }
         }
-        auto* dst = out_ptr + (seq * num_heads + h) * head_dim;
+        auto* dst = out_ptr + (seq * L.num_heads + h) * head_dim;
         for (int d = 0; d < head_dim / 16; ++d) store_bf16x16(dst + 16 * d, _mm512_load_ps(row + 16 * d));
       }
     }

@@ -108,7 +108,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.hidden_size = hidden_size
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
-        self.fused_ops: ModuleType | None = None  # compiled bf16 ops (add_rms_norm_, rms_norm), set by the runner
+        self.fused_ops: ModuleType | None = None  # compiled bf16 ops (rms_norm), set by the runner
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (self.hidden_size,), eps=self.eps)
@@ -118,9 +118,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.fused_ops is not None:
-            if residual is None:
-                return self.fused_ops.rms_norm(x, self.weight, self.eps)
-            return self.fused_ops.add_rms_norm_(x, residual, self.weight, self.eps), residual
+            out = self.fused_ops.rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         residual.add_(x)  # NOTE: in place, in the model dtype, as HF's `residual + hidden_states`
