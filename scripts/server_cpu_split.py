@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import tempfile
 
 import psutil
 
@@ -38,10 +39,11 @@ def main() -> None:
 
     root = psutil.Process(args.pid)
     before = snapshot(root)
-    subprocess.run([sys.executable, "-m", "pagedserve.bench", "--target", args.url, "--workload", args.workload,
-                    "--concurrency", args.concurrency, "--duration", args.duration, "--drain-timeout", "0",
-                    "--num-warmups", "0", "--ignore-eos", "--no-progress", "--output-dir", "/tmp/cpu-split-bench"],
-                   check=True, stdout=subprocess.DEVNULL)
+    with tempfile.TemporaryDirectory() as output_dir:
+        subprocess.run([sys.executable, "-m", "pagedserve.bench", "--target", args.url, "--workload", args.workload,
+                        "--concurrency", args.concurrency, "--duration", args.duration, "--drain-timeout", "0",
+                        "--num-warmups", "0", "--ignore-eos", "--no-progress", "--output-dir", output_dir],
+                       check=True, stdout=subprocess.DEVNULL)
     after = snapshot(root)
     used = {pid: after[pid][1] - before.get(pid, ("", 0.0))[1] for pid in after}
     total = sum(used.values()) or 1.0

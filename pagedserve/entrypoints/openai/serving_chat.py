@@ -32,9 +32,7 @@ logger = logging.getLogger(__name__)
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
-        model_name = self.check_model(request.model)
-        self.check_engine_alive()
-        self.reject_unsupported(request)
+        model_name = self.check_generation_request(request)
         self._reject_tools(request)
         num_top = self._check_chat_logprobs(request)
         self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")

@@ -32,9 +32,7 @@ logger = logging.getLogger(__name__)
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> Response:
-        model_name = self.check_model(request.model)
-        self.check_engine_alive()
-        self.reject_unsupported(request)
+        model_name = self.check_generation_request(request)
         if request.suffix:
             raise bad_request("suffix is not currently supported.", "suffix")
         self.check_logprobs(request.logprobs, "logprobs")

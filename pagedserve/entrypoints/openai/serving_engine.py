@@ -234,6 +234,14 @@ class OpenAIServing:
                 "Please select a smaller truncation size.", "truncate_prompt_tokens")
         return token_ids[-truncate:]
 
+    def check_generation_request(self, request: SamplingFields) -> str:
+        """What every generation route checks first, in this order: the model (404), a live engine
+        (503), unsupported fields (400). Returns the model name to answer with."""
+        model_name = self.check_model(request.model)
+        self.check_engine_alive()
+        self.reject_unsupported(request)
+        return model_name
+
     def reject_unsupported(self, request: SamplingFields) -> None:
         if request.model_extra:
             logger.info("The following fields were present in the request but ignored: %s",
