@@ -39,26 +39,29 @@ def test_chunked_prefill_and_decode_through_block_tables_match_dense_attention()
     torch.testing.assert_close(out[0], causal_reference(qb, kb, vb)[6])
 
 
+# block sizes: 16 and 128 take the AMX score path where the CPU has AMX, 8 the vdpbf16ps one;
+# query / KV heads: groups of 3, 8 (values summed in two register batches) and 1
+@pytest.mark.parametrize("block_size, heads, kv_heads", [(16, 9, 3), (8, 9, 3), (128, 8, 1), (16, 4, 4)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_cpu_kernel_matches_reference_decode(dtype, tol, head_dim):
+def test_cpu_kernel_matches_reference_decode(dtype, tol, head_dim, block_size, heads, kv_heads):
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.skip("the C++ kernel could not be built on this machine")
     torch.manual_seed(0)
-    num_blocks, heads, kv_heads = 96, 9, 3
-    # NaN everywhere no context token lives: a kernel that reads past a sequence's length poisons its output
-    cache = torch.full((2, num_blocks, 16, kv_heads, head_dim), float("nan"), dtype=dtype)
     lens = [1, 2, 5, 15, 16, 17, 31, 33, 100, 250, 301]
+    num_blocks = 1 + sum((n + block_size - 1) // block_size for n in lens)
+    # NaN everywhere no context token lives: a kernel that reads past a sequence's length poisons its output
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
     tables, next_block = [], 1
     for length in lens:
-        n = (length + 15) // 16
+        n = (length + block_size - 1) // block_size
         table = list(range(next_block + n - 1, next_block - 1, -1))  # reversed: order must come from the table
         tables.append(table)
         next_block += n
         for t in range(length):
-            cache[:, table[t // 16], t % 16] = torch.randn(2, kv_heads, head_dim).to(dtype)
-    meta = build_attention_metadata([n - 1 for n in lens], [1] * len(lens), tables, 16)
+            cache[:, table[t // block_size], t % block_size] = torch.randn(2, kv_heads, head_dim).to(dtype)
+    meta = build_attention_metadata([n - 1 for n in lens], [1] * len(lens), tables, block_size)
     q = torch.randn(len(lens), heads, head_dim).to(dtype)
     reference = _decode_attention(q.float(), torch.nan_to_num(cache.float(), nan=0.0), meta, head_dim**-0.5)
     out = kernels.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, head_dim**-0.5)

@@ -1,10 +1,13 @@
-"""Sampler: the candidate fast path for top-k / top-p gives the same distribution as the full sort."""
+"""Sampler: the candidate fast path for top-k / top-p gives the same distribution as the full sort;
+the greedy fast path (and its C++ argmax) picks what torch.max picks."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.cpu_kernels import load_cpu_kernels
 from pagedserve.worker.sampler import CANDIDATES, Sampler, SamplingRow, _top_k_top_p_min_p
 
 VOCAB = 5000
@@ -56,3 +59,41 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     alone, _ = sampler(logits[:1].clone(), [seeded()])
     batched, _ = sampler(logits.clone(), [seeded(), row(temperature=1.0), row(temperature=0.5, top_k=3)])
     assert alone[0] == batched[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_kernel_matches_torch_max(dtype):
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("the C++ kernels could not be built on this machine")
+    torch.manual_seed(0)
+    for vocab in (1, 7, 16, 17, 49152, 49153):
+        logits = torch.randn(9, vocab + 5).to(dtype)[:, :vocab]  # rows further apart than the vocab
+        assert torch.equal(kernels.argmax_rows(logits), logits.max(dim=-1).indices), vocab
+    ties = torch.zeros(4, 100, dtype=dtype)
+    ties[0, [3, 40, 99]] = 2.0  # equal maxima in different lanes and in the tail: the first wins
+    ties[1, [17, 33]] = 1.0
+    ties[2].fill_(float("-inf"))
+    ties[3, [5, 50]] = float("nan")  # NaN propagates, as torch.max does: the first NaN
+    assert kernels.argmax_rows(ties).tolist() == [3, 17, 0, 5]
+    assert torch.equal(kernels.argmax_rows(ties), ties.max(dim=-1).indices)
+    with pytest.raises(RuntimeError):
+        kernels.argmax_rows(torch.zeros(2, 8, dtype=torch.float16))
+
+
+def test_greedy_fast_path_with_the_kernel_picks_the_same_tokens():
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("the C++ kernels could not be built on this machine")
+    torch.manual_seed(0)
+    logits = torch.randn(32, VOCAB + 11).bfloat16()  # padded vocab columns past VOCAB are ignored
+    logits[:, VOCAB:] = 100.0
+    plain = Sampler(VOCAB, torch.Generator().manual_seed(1))
+    fast = Sampler(VOCAB, torch.Generator().manual_seed(1), kernels.argmax_rows)
+    rows = [row(temperature=0.0) for _ in range(32)]
+    tokens, logprobs = fast(logits, rows)
+    assert tokens == plain(logits, rows)[0] == logits[:, :VOCAB].float().argmax(dim=-1).tolist()
+    assert logprobs == [None] * 32
+    with_logprobs = [row(temperature=0.0, logprobs=2) for _ in range(32)]
+    tokens_lp, logprobs_lp = fast(logits, with_logprobs)
+    assert tokens_lp == tokens and all(lp is not None and lp.token_id == t for lp, t in zip(logprobs_lp, tokens))

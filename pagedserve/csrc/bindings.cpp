@@ -8,6 +8,7 @@ bool has_fused_bf16_ops();
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 void rotary_embedding_(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor argmax_rows(torch::Tensor logits);
 
 // Every op drops the GIL while it runs: with the engine core in a thread of the server process,
 // the event loop keeps serving HTTP meanwhile.
@@ -21,4 +22,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         ReleaseGil());
   m.def("rotary_embedding_", &rotary_embedding_, "Rotate-half rope in place (bf16)", ReleaseGil());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (bf16)", ReleaseGil());
+  m.def("argmax_rows", &argmax_rows, "Index of each row's largest logit, as torch.max(dim=-1).indices", ReleaseGil());
 }

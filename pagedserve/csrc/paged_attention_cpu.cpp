@@ -17,11 +17,17 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -47,9 +53,16 @@ struct DecodeLayout {
         values_offset(kv_cache.size(1) * kv_cache.size(2) * token_stride),
         tables(block_tables.data_ptr<int64_t>()), lens(seq_lens.data_ptr<int64_t>()) {}
 
-  // Element offset of context token t of sequence seq within the keys (or within the values).
-  int64_t row(int64_t seq, int64_t t) const {
-    return (tables[seq * max_num_blocks + t / block_size] * block_size + t % block_size) * token_stride;
+  // rows[t] = element offset of context token t (t < len) of sequence seq within the keys (or
+  // the values), walking the block table once: no division per token in the kernels' inner loops.
+  void rows(int64_t seq, int64_t len, std::vector<int64_t>& rows) const {
+    rows.resize(len);
+    const int64_t* table = tables + seq * max_num_blocks;
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+      const int64_t first = table[b] * block_size * token_stride;
+      const int64_t n = std::min(block_size, len - t0);
+      for (int64_t i = 0; i < n; ++i) rows[t0 + i] = first + i * token_stride;
+    }
   }
 };
 
@@ -73,10 +86,12 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& kv_cac
     std::vector<float> acc(L.group * head_dim);
     std::vector<float> scores;
     std::vector<float> row(head_dim);
+    std::vector<int64_t> rows;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t seq = work / L.num_kv_heads;
       const int64_t kv_head = work % L.num_kv_heads;
       const int64_t len = L.lens[seq];
+      L.rows(seq, len, rows);
       for (int64_t g = 0; g < L.group; ++g) {
         const scalar_t* src = q_ptr + (seq * L.num_heads + kv_head * L.group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(src[d]) * fscale;
@@ -84,7 +99,7 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& kv_cac
       scores.assign(L.group * len, 0.f);
       // scores[g][t] = q_g . k_t  (each key row converted to float once, used by the whole group)
       for (int64_t t = 0; t < len; ++t) {
-        const scalar_t* k = k_base + L.row(seq, t) + kv_head * head_dim;
+        const scalar_t* k = k_base + rows[t] + kv_head * head_dim;
         float* kf = row.data();
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) kf[d] = to_float(k[d]);
@@ -112,7 +127,7 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& kv_cac
       // acc[g] = sum_t p[g][t] * v_t
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const scalar_t* v = v_base + L.row(seq, t) + kv_head * head_dim;
+        const scalar_t* v = v_base + rows[t] + kv_head * head_dim;
         float* vf = row.data();
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) vf[d] = to_float(v[d]);
@@ -175,15 +190,17 @@ void decode_attention_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k
     std::vector<__m512> qv(L.num_heads * DV);
     std::vector<__m512> acc(L.num_heads * DV);
     std::vector<float> scores;
+    std::vector<int64_t> rows;
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t len = L.lens[seq];
+      L.rows(seq, len, rows);
       for (int64_t h = 0; h < L.num_heads; ++h) {
         const auto* src = q_ptr + (seq * L.num_heads + h) * head_dim;
         for (int d = 0; d < DV; ++d) qv[h * DV + d] = _mm512_mul_ps(load_bf16x16(src + 16 * d), vscale);
       }
       scores.resize(L.num_heads * len);
       for (int64_t t = 0; t < len; ++t) {
-        const auto* k_row = k_base + L.row(seq, t);
+        const auto* k_row = k_base + rows[t];
         for (int64_t kv_head = 0; kv_head < L.num_kv_heads; ++kv_head) {
           __m512 kr[DV];
           for (int d = 0; d < DV; ++d) kr[d] = load_bf16x16(k_row + kv_head * head_dim + 16 * d);
@@ -197,7 +214,7 @@ void decode_attention_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k
       for (int64_t h = 0; h < L.num_heads; ++h) softmax_avx512(scores.data() + h * len, len);
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t t = 0; t < len; ++t) {
-        const auto* v_row = v_base + L.row(seq, t);
+        const auto* v_row = v_base + rows[t];
         for (int64_t kv_head = 0; kv_head < L.num_kv_heads; ++kv_head) {
           __m512 vr[DV];
           for (int d = 0; d < DV; ++d) vr[d] = load_bf16x16(v_row + kv_head * head_dim + 16 * d);
@@ -242,12 +259,142 @@ inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 #define PAGEDSERVE_PREFETCH_TOKENS 16  // how far ahead (in context tokens) rows are prefetched
 #endif
 constexpr int64_t kPrefetchAhead = PAGEDSERVE_PREFETCH_TOKENS;
+// Values are read one KV head (a slice of each row) at a time, so each token takes less time: look further ahead.
+constexpr int64_t kValuePrefetchAhead = 2 * kPrefetchAhead;
 
 // Ask for one cached token row ahead of use: rows sit in blocks scattered over the cache, so the
 // hardware prefetcher loses the stream at every block boundary.
 inline void prefetch_row(const uint16_t* row, int64_t elements) {
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t off = 0; off < elements * 2; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Linux hands AMX tile state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA); asked once per process. False where the kernel or the hypervisor refuses.
+inline bool amx_tiles_usable() {
+  static const bool usable = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+// The 64-byte operand of ldtilecfg (palette 1).
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes per row of each tile
+  uint8_t rows[16] = {};
+};
+
+// Scores of 16 context tokens against one KV head's group of query heads with AMX:
+// tile 1 = 16 key rows x 32 dims (read in place, rows token_stride apart), tile 2 = the group's
+// queries for those 32 dims in the pair-interleaved (VNNI) layout, tile 0 += tile 1 x tile 2,
+// i.e. [16 tokens, group] float32.
+struct AmxScoreTiles {
+  explicit AmxScoreTiles(int64_t group) {
+    TileConfig config;
+    config.rows[0] = 16;
+    config.colsb[0] = static_cast<uint16_t>(group * 4);
+    config.rows[1] = 16;
+    config.colsb[1] = 64;
+    config.rows[2] = 16;
+    config.colsb[2] = static_cast<uint16_t>(group * 4);
+    _tile_loadconfig(&config);
+  }
+  ~AmxScoreTiles() { _tile_release(); }
+  AmxScoreTiles(const AmxScoreTiles&) = delete;
+  AmxScoreTiles& operator=(const AmxScoreTiles&) = delete;
+};
+
+// q_vnni[c][r][g][j] = q_g[32c + 2r + j]: the group's queries as tile-2 operands, one per 32-dim chunk c.
+inline void pack_group_queries(const uint16_t* q_group, int64_t group, int64_t head_dim, uint16_t* q_vnni) {
+  for (int64_t c = 0; c < head_dim / 32; ++c) {
+    for (int64_t r = 0; r < 16; ++r) {
+      for (int64_t g = 0; g < group; ++g) {
+        for (int64_t j = 0; j < 2; ++j) q_vnni[((c * 16 + r) * group + g) * 2 + j] = q_group[g * head_dim + 32 * c + 2 * r + j];
+      }
+    }
+  }
+}
+#endif
+
+// How many query heads accumulate their values together: their float32 sums stay in registers.
+template <int NC>
+constexpr int64_t kMaxValueHeads = NC <= 2 ? 6 : 3;
+
+// out[g][d] = sum_t p_g[t] * v_t[d] for G query heads sharing one KV head, t < len: two tokens
+// at a time, their value rows interleaved so that one vdpbf16ps adds p_t * v_t + p_t+1 * v_t+1.
+// v_head: that KV head's first value element; rows: token row offsets; probs: G rows len_pad apart.
+template <int NC, int G>
+void accumulate_values_for(const uint16_t* v_head, const int64_t* rows, int64_t len,
+                           const uint16_t* probs, int64_t len_pad, float* out) {
+  constexpr int64_t head_dim = 32 * NC;
+  __m512 acc[G][NC][2];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) acc[g][c][0] = acc[g][c][1] = _mm512_setzero_ps();
+  }
+  for (int64_t t = 0; t < std::min<int64_t>(kValuePrefetchAhead, len); ++t) prefetch_row(v_head + rows[t], head_dim);
+  for (int64_t t = 0; t < len; t += 2) {
+    for (int64_t ahead = t + kValuePrefetchAhead; ahead < std::min<int64_t>(t + kValuePrefetchAhead + 2, len); ++ahead) {
+      prefetch_row(v_head + rows[ahead], head_dim);
+    }
+    const uint16_t* a_row = v_head + rows[t];
+    const bool has_b = t + 1 < len;  // never read past the context: a stale slot may hold anything
+    __m512i vlo[NC], vhi[NC];
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) {
+      const __m512i a = _mm512_loadu_si512(a_row + 32 * c);
+      const __m512i b = has_b ? _mm512_loadu_si512(v_head + rows[t + 1] + 32 * c) : _mm512_setzero_si512();
+      vlo[c] = _mm512_unpacklo_epi16(a, b);  // per 128-bit lane L: dims 8L..8L+3 of a and b, interleaved
+      vhi[c] = _mm512_unpackhi_epi16(a, b);  // dims 8L+4..8L+7
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      uint32_t pair;
+      std::memcpy(&pair, probs + g * len_pad + t, sizeof(pair));  // p_t (low half), p_t+1 (high)
+      const __m512i p = _mm512_set1_epi32(static_cast<int>(pair));
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) {
+        acc[g][c][0] = _mm512_dpbf16_ps(acc[g][c][0], as_bh(p), as_bh(vlo[c]));
+        acc[g][c][1] = _mm512_dpbf16_ps(acc[g][c][1], as_bh(p), as_bh(vhi[c]));
+      }
+    }
+  }
+  alignas(64) float lo[16], hi[16];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < NC; ++c) {  // undo the interleaving: position 4L + r holds dim 8L + r (lo) / 8L + 4 + r (hi)
+      _mm512_store_ps(lo, acc[g][c][0]);
+      _mm512_store_ps(hi, acc[g][c][1]);
+      for (int lane = 0; lane < 4; ++lane) {
+        for (int r = 0; r < 4; ++r) {
+          out[g * head_dim + 32 * c + 8 * lane + r] = lo[4 * lane + r];
+          out[g * head_dim + 32 * c + 8 * lane + 4 + r] = hi[4 * lane + r];
+        }
+      }
+    }
+  }
+}
+
+template <int NC>
+void accumulate_values(int64_t heads, const uint16_t* v_head, const int64_t* rows, int64_t len,
+                       const uint16_t* probs, int64_t len_pad, float* out) {
+  switch (heads) {
+    case 1: return accumulate_values_for<NC, 1>(v_head, rows, len, probs, len_pad, out);
+    case 2: return accumulate_values_for<NC, 2>(v_head, rows, len, probs, len_pad, out);
+    case 3: return accumulate_values_for<NC, 3>(v_head, rows, len, probs, len_pad, out);
+    case 4: if constexpr (kMaxValueHeads<NC> >= 4) return accumulate_values_for<NC, 4>(v_head, rows, len, probs, len_pad, out);
+    [[fallthrough]];
+    case 5: if constexpr (kMaxValueHeads<NC> >= 5) return accumulate_values_for<NC, 5>(v_head, rows, len, probs, len_pad, out);
+    [[fallthrough]];
+    case 6: if constexpr (kMaxValueHeads<NC> >= 6) return accumulate_values_for<NC, 6>(v_head, rows, len, probs, len_pad, out);
+    [[fallthrough]];
+    default: TORCH_CHECK(false, "accumulate_values: bad head count ", heads);
+  }
 }
 
 // bf16 decode with AVX512-BF16 dot products (vdpbf16ps): NC 32-wide chunks per head (head_dim = 32 * NC).
@@ -264,37 +411,71 @@ void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& k
   const auto* v_base = k_base + L.values_offset;
   auto* out_ptr = out.data_ptr<at::BFloat16>();
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // AMX scores read 16 equally spaced key rows at once: 16-token chunks must not straddle blocks.
+  const bool use_amx = L.block_size % 16 == 0 && L.group <= 16 && amx_tiles_usable();
+#endif
 
   at::parallel_for(0, L.num_seqs, 1, [&](int64_t begin, int64_t end) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    std::optional<AmxScoreTiles> tiles;
+    if (use_amx) tiles.emplace(L.group);
+    std::vector<uint16_t> q_vnni(use_amx ? L.num_kv_heads * NC * 16 * L.group * 2 : 0);
+    alignas(64) float tile_out[16 * 16];
+#endif
     std::vector<__m512i> qv(L.num_heads * NC);
     std::vector<__m512> partial(L.group * 16);
-    std::vector<__m512> acc(L.num_heads * 2 * NC);
+    std::vector<float> head_out(kMaxValueHeads<NC> * head_dim);
     std::vector<float> scores;
     std::vector<uint16_t> probs;
-    alignas(64) float lo[16], hi[16], row[head_dim];
+    std::vector<int64_t> rows;
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t len = L.lens[seq];
+      L.rows(seq, len, rows);
       const int64_t len_pad = (len + 15) / 16 * 16;
       for (int64_t h = 0; h < L.num_heads; ++h) {
         for (int c = 0; c < NC; ++c) qv[h * NC + c] = _mm512_loadu_si512(q_ptr + (seq * L.num_heads + h) * head_dim + 32 * c);
       }
       scores.assign(L.num_heads * len_pad, 0.f);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      for (int64_t kv_head = 0; use_amx && kv_head < L.num_kv_heads; ++kv_head) {
+        pack_group_queries(q_ptr + (seq * L.num_heads + kv_head * L.group) * head_dim, L.group, head_dim,
+                           q_vnni.data() + kv_head * NC * 16 * L.group * 2);
+      }
+#endif
       for (int64_t t = 0; t < std::min<int64_t>(kPrefetchAhead, len); ++t) {
-        prefetch_row(k_base + L.row(seq, t), L.token_stride);
+        prefetch_row(k_base + rows[t], L.token_stride);
       }
       for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, len - t0);
         for (int64_t t = t0 + kPrefetchAhead; t < std::min<int64_t>(t0 + kPrefetchAhead + 16, len); ++t) {
-          prefetch_row(k_base + L.row(seq, t), L.token_stride);
+          prefetch_row(k_base + rows[t], L.token_stride);
         }
         for (int64_t kv_head = 0; kv_head < L.num_kv_heads; ++kv_head) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+          if (use_amx) {  // rows t0 + n .. t0 + 15 are in the same block; their scores are dropped
+            const uint16_t* keys = k_base + rows[t0] + kv_head * head_dim;
+            _tile_zero(0);
+            for (int c = 0; c < NC; ++c) {
+              _tile_loadd(1, keys + 32 * c, L.token_stride * 2);
+              _tile_loadd(2, q_vnni.data() + (kv_head * NC + c) * 16 * L.group * 2, L.group * 4);
+              _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, tile_out, L.group * 4);
+            for (int64_t g = 0; g < L.group; ++g) {
+              float* dst = scores.data() + (kv_head * L.group + g) * len_pad + t0;
+              for (int64_t i = 0; i < n; ++i) dst[i] = tile_out[i * L.group + g] * static_cast<float>(scale);
+            }
+            continue;
+          }
+#endif
           for (int64_t i = 0; i < 16; ++i) {
             if (i >= n) {
               for (int64_t g = 0; g < L.group; ++g) partial[g * 16 + i] = _mm512_setzero_ps();
               continue;
             }
             const int64_t t = t0 + i;
-            const uint16_t* k_row = k_base + L.row(seq, t) + kv_head * head_dim;
+            const uint16_t* k_row = k_base + rows[t] + kv_head * head_dim;
             __m512i kr[NC];
             for (int c = 0; c < NC; ++c) kr[c] = _mm512_loadu_si512(k_row + 32 * c);
             for (int64_t g = 0; g < L.group; ++g) {
@@ -320,50 +501,17 @@ void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& k
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs.data() + h * len_pad + t), reinterpret_cast<__m256i>(b));
         }
       }
-      for (auto& a : acc) a = _mm512_setzero_ps();
-      for (int64_t t = 0; t < std::min<int64_t>(kPrefetchAhead, len); ++t) {
-        prefetch_row(v_base + L.row(seq, t), L.token_stride);
-      }
-      for (int64_t t = 0; t < len; t += 2) {
-        for (int64_t ahead = t + kPrefetchAhead; ahead < std::min<int64_t>(t + kPrefetchAhead + 2, len); ++ahead) {
-          prefetch_row(v_base + L.row(seq, ahead), L.token_stride);
-        }
-        const uint16_t* a_row = v_base + L.row(seq, t);
-        const bool has_b = t + 1 < len;  // never read past the context: a stale slot may hold anything
-        const uint16_t* b_row = has_b ? v_base + L.row(seq, t + 1) : a_row;  // (b is zeros then)
-        for (int64_t kv_head = 0; kv_head < L.num_kv_heads; ++kv_head) {
-          __m512i vlo[NC], vhi[NC];
-          for (int c = 0; c < NC; ++c) {
-            const __m512i a = _mm512_loadu_si512(a_row + kv_head * head_dim + 32 * c);
-            const __m512i b = has_b ? _mm512_loadu_si512(b_row + kv_head * head_dim + 32 * c) : _mm512_setzero_si512();
-            vlo[c] = _mm512_unpacklo_epi16(a, b);  // per 128-bit lane L: dims 8L..8L+3 of a and b, interleaved
-            vhi[c] = _mm512_unpackhi_epi16(a, b);  // dims 8L+4..8L+7
-          }
-          for (int64_t g = 0; g < L.group; ++g) {
-            const int64_t h = kv_head * L.group + g;
-            uint32_t pair;
-            std::memcpy(&pair, probs.data() + h * len_pad + t, sizeof(pair));  // p_t (low half), p_t+1 (high)
-            const __m512i p = _mm512_set1_epi32(static_cast<int>(pair));
-            for (int c = 0; c < NC; ++c) {
-              acc[(h * NC + c) * 2] = _mm512_dpbf16_ps(acc[(h * NC + c) * 2], as_bh(p), as_bh(vlo[c]));
-              acc[(h * NC + c) * 2 + 1] = _mm512_dpbf16_ps(acc[(h * NC + c) * 2 + 1], as_bh(p), as_bh(vhi[c]));
-            }
+      for (int64_t kv_head = 0; kv_head < L.num_kv_heads; ++kv_head) {
+        for (int64_t g0 = 0; g0 < L.group; g0 += kMaxValueHeads<NC>) {
+          const int64_t h0 = kv_head * L.group + g0;
+          const int64_t heads = std::min<int64_t>(kMaxValueHeads<NC>, L.group - g0);
+          accumulate_values<NC>(heads, v_base + kv_head * head_dim, rows.data(), len,
+                                probs.data() + h0 * len_pad, len_pad, head_out.data());
+          for (int64_t g = 0; g < heads; ++g) {
+            auto* dst = out_ptr + (seq * L.num_heads + h0 + g) * head_dim;
+            for (int d = 0; d < head_dim / 16; ++d) store_bf16x16(dst + 16 * d, _mm512_loadu_ps(head_out.data() + g * head_dim + 16 * d));
           }
         }
-      }
-      for (int64_t h = 0; h < L.num_heads; ++h) {
-        for (int c = 0; c < NC; ++c) {  // undo the interleaving: position 4L + r holds dim 8L + r (lo) / 8L + 4 + r (hi)
-          _mm512_store_ps(lo, acc[(h * NC + c) * 2]);
-          _mm512_store_ps(hi, acc[(h * NC + c) * 2 + 1]);
-          for (int lane = 0; lane < 4; ++lane) {
-            for (int r = 0; r < 4; ++r) {
-              row[32 * c + 8 * lane + r] = lo[4 * lane + r];
-              row[32 * c + 8 * lane + 4 + r] = hi[4 * lane + r];
-            }
-          }
-        }
-        auto* dst = out_ptr + (seq * L.num_heads + h) * head_dim;
-        for (int d = 0; d < head_dim / 16; ++d) store_bf16x16(dst + 16 * d, _mm512_load_ps(row + 16 * d));
       }
     }
   });

@@ -52,9 +52,9 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         generator = torch.Generator(device=device).manual_seed(seed)
-        self.sampler = Sampler(vocab_size, generator)
         kernels = load_cpu_kernels() if device.type == "cpu" and use_cpu_kernels else None
         self.kernels = kernels  # decode attention and cache writes in C++, or None for the PyTorch reference
+        self.sampler = Sampler(vocab_size, generator, kernels.argmax_rows if kernels is not None else None)
         if use_cpu_kernels and can_pack_linear_weights(device, dtype):
             pack_linear_weights(model, batch_size_hint)
             if kernels is not None:

@@ -9,11 +9,13 @@ Steps, in order, for a batch of rows ``[num_rows, vocab]``:
      (``torch.multinomial``), from the row's own generator when seeded; top-k / nucleus sets that
      fit in the best CANDIDATES tokens are handled there instead of sorting the whole vocabulary
   6. logprob, rank and top-N alternatives of each chosen token
-A batch of plain greedy rows takes a fast path (argmax only).
+A batch of plain greedy rows takes a fast path: argmax only, in the logits' own dtype (with a
+C++ kernel on CPUs when built).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,17 +36,27 @@ class SamplingRow:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, generator: torch.Generator) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        generator: torch.Generator,
+        argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.vocab_size = vocab_size
         self.generator = generator  # for rows without a seed
+        # a kernel for [rows, vocab] bf16/float32 CPU logits -> int64 [rows], as torch.max(dim=-1).indices
+        self.argmax_rows = argmax_rows
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
         # logits: [num_rows, vocab]
-        logits = logits[:, : self.vocab_size].float()
+        logits = logits[:, : self.vocab_size]
         want_logprobs = any(row.params.logprobs is not None for row in rows)
+        if not want_logprobs and all(_is_plain_greedy(row) for row in rows):
+            return self._greedy(logits).tolist(), [None] * len(rows)
+        logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [num_rows, vocab]
         if all(_is_plain_greedy(row) for row in rows):
-            tokens = logits.max(dim=-1).indices  # NOTE: faster than argmax on CPU
+            tokens = self._greedy(logits)
         else:
             if any(_needs_processing(row) for row in rows):
                 logits = self._apply_processors(logits.clone(), rows)
@@ -53,6 +65,12 @@ class Sampler:
         if raw_logprobs is None:
             return token_list, [None] * len(rows)
         return token_list, _gather_logprobs(raw_logprobs, tokens, [row.params.logprobs for row in rows])
+
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Argmax of each row, in the logits' own dtype (rounding to float32 keeps the order)."""
+        if self.argmax_rows is not None and logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32):
+            return self.argmax_rows(logits)
+        return logits.max(dim=-1).indices  # NOTE: faster than argmax on CPU
 
     def _apply_processors(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         for i, row in enumerate(rows):
