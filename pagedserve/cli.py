@@ -28,9 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    # NOTE: only the command itself (argv None) may re-execute the process; a program that calls
+    # main(argv) may have patched modules in this process that a fresh interpreter would lose
+    may_reexec = argv is None
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command == "serve":
-        return _serve(args, parser)
+        return _serve(args, parser, argv if may_reexec else None)
     if args.command == "bench":
         missing = getattr(args, "bench_missing", None)
         if missing is not None:
@@ -43,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser, reexec_argv: list[str] | None) -> int:
     from pagedserve.entrypoints.cli_args import engine_config_from_args
-
+    from pagedserve.entrypoints.malloc_env import reexec_with_huge_page_malloc
     from pagedserve.entrypoints.middleware import parse_rate_limit
 
     try:
@@ -54,6 +58,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parse_rate_limit(args.rate_limit)
     except ValueError as exc:
         parser.error(str(exc))
+    if reexec_argv is not None:
+        reexec_with_huge_page_malloc(reexec_argv)  # weights on huge pages; returns if already so (or not wanted)
     from pagedserve.entrypoints.openai.launcher import run_server
     from pagedserve.models.registry import ModelLoadError
 
