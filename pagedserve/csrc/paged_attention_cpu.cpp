@@ -397,9 +397,54 @@ void accumulate_values(int64_t heads, const uint16_t* v_head, const int64_t* row
   }
 }
 
+// scores[g * len_pad + i] = scale * q_g . k_(t0 + i) for i < n and the G = group query heads of one
+// KV head, 16 tokens at a time: one partial-sum vector per (token, head), reduced together.
+// keys: that KV head's slice of the cache; rows: the offsets of tokens t0 ..; qv: the group's queries.
+template <int NC>
+inline void score_chunk_dpbf16(const uint16_t* keys, const int64_t* rows, int64_t n, const __m512i* qv, int64_t group,
+                               __m512 vscale, __m512* partial, float* scores, int64_t len_pad) {
+  for (int64_t i = 0; i < 16; ++i) {
+    if (i >= n) {
+      for (int64_t g = 0; g < group; ++g) partial[g * 16 + i] = _mm512_setzero_ps();
+      continue;
+    }
+    __m512i kr[NC];
+    for (int c = 0; c < NC; ++c) kr[c] = _mm512_loadu_si512(keys + rows[i] + 32 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(qv[g * NC]), as_bh(kr[0]));
+      for (int c = 1; c < NC; ++c) s = _mm512_dpbf16_ps(s, as_bh(qv[g * NC + c]), as_bh(kr[c]));
+      partial[g * 16 + i] = s;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const __m512 sums = _mm512_mul_ps(hsum16_avx512(partial + g * 16), vscale);
+    _mm512_mask_storeu_ps(scores + g * len_pad, static_cast<__mmask16>((1u << n) - 1u), sums);
+  }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// The same scores with AMX (tiles configured by AmxScoreTiles): keys = the first of 16 key rows of
+// one block, token_stride apart; q_vnni = the group's packed queries. Rows n .. 15 lie in the same
+// block (block sizes are multiples of 16 here) and their scores are dropped.
+template <int NC>
+inline void score_chunk_amx(const uint16_t* keys, int64_t token_stride, const uint16_t* q_vnni, int64_t group, int64_t n,
+                            float scale, float* scores, int64_t len_pad, float* tile_out /* [16, group] */) {
+  _tile_zero(0);
+  for (int c = 0; c < NC; ++c) {
+    _tile_loadd(1, keys + 32 * c, token_stride * 2);
+    _tile_loadd(2, q_vnni + c * 16 * group * 2, group * 4);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, tile_out, group * 4);
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t i = 0; i < n; ++i) scores[g * len_pad + i] = tile_out[i * group + g] * scale;
+  }
+}
+#endif
+
 // bf16 decode with AVX512-BF16 dot products (vdpbf16ps): NC 32-wide chunks per head (head_dim = 32 * NC).
-// Scores: 16 context tokens at a time, one partial-sum vector per (token, head), reduced together.
-// Values: two tokens at a time, their rows interleaved so that one vdpbf16ps adds p_t * v_t + p_t+1 * v_t+1;
+// Scores: 16 context tokens at a time, with AMX tiles where the CPU and the OS allow them, else with
+// vdpbf16ps (score_chunk_*). Values: two tokens at a time, their rows interleaved so that one vdpbf16ps adds p_t * v_t + p_t+1 * v_t+1;
 // the probabilities are rounded to bf16 for that, as a bf16 attention matmul does.
 template <int NC>
 void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
@@ -410,7 +455,8 @@ void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& k
   const auto* k_base = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>());
   const auto* v_base = k_base + L.values_offset;
   auto* out_ptr = out.data_ptr<at::BFloat16>();
-  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+  const float fscale = static_cast<float>(scale);
+  const __m512 vscale = _mm512_set1_ps(fscale);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   // AMX scores read 16 equally spaced key rows at once: 16-token chunks must not straddle blocks.
   const bool use_amx = L.block_size % 16 == 0 && L.group <= 16 && amx_tiles_usable();
@@ -452,44 +498,17 @@ void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& k
           prefetch_row(k_base + rows[t], L.token_stride);
         }
         for (int64_t kv_head = 0; kv_head < L.num_kv_heads; ++kv_head) {
+          float* head_scores = scores.data() + kv_head * L.group * len_pad + t0;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-          if (use_amx) {  // rows t0 + n .. t0 + 15 are in the same block; their scores are dropped
-            const uint16_t* keys = k_base + rows[t0] + kv_head * head_dim;
-            _tile_zero(0);
-            for (int c = 0; c < NC; ++c) {
-              _tile_loadd(1, keys + 32 * c, L.token_stride * 2);
-              _tile_loadd(2, q_vnni.data() + (kv_head * NC + c) * 16 * L.group * 2, L.group * 4);
-              _tile_dpbf16ps(0, 1, 2);
-            }
-            _tile_stored(0, tile_out, L.group * 4);
-            for (int64_t g = 0; g < L.group; ++g) {
-              float* dst = scores.data() + (kv_head * L.group + g) * len_pad + t0;
-              for (int64_t i = 0; i < n; ++i) dst[i] = tile_out[i * L.group + g] * static_cast<float>(scale);
-            }
+          if (use_amx) {
+            score_chunk_amx<NC>(k_base + rows[t0] + kv_head * head_dim, L.token_stride,
+                                q_vnni.data() + kv_head * NC * 16 * L.group * 2, L.group, n, fscale, head_scores, len_pad,
+                                tile_out);
             continue;
           }
 #endif
-          for (int64_t i = 0; i < 16; ++i) {
-            if (i >= n) {
-              for (int64_t g = 0; g < L.group; ++g) partial[g * 16 + i] = _mm512_setzero_ps();
-              continue;
-            }
-            const int64_t t = t0 + i;
-            const uint16_t* k_row = k_base + rows[t] + kv_head * head_dim;
-            __m512i kr[NC];
-            for (int c = 0; c < NC; ++c) kr[c] = _mm512_loadu_si512(k_row + 32 * c);
-            for (int64_t g = 0; g < L.group; ++g) {
-              const int64_t h = kv_head * L.group + g;
-              __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(qv[h * NC]), as_bh(kr[0]));
-              for (int c = 1; c < NC; ++c) s = _mm512_dpbf16_ps(s, as_bh(qv[h * NC + c]), as_bh(kr[c]));
-              partial[g * 16 + i] = s;
-            }
-          }
-          for (int64_t g = 0; g < L.group; ++g) {
-            const int64_t h = kv_head * L.group + g;
-            const __m512 sums = _mm512_mul_ps(hsum16_avx512(partial.data() + g * 16), vscale);
-            _mm512_mask_storeu_ps(scores.data() + h * len_pad + t0, static_cast<__mmask16>((1u << n) - 1u), sums);
-          }
+          score_chunk_dpbf16<NC>(k_base + kv_head * head_dim, rows.data() + t0, n, qv.data() + kv_head * L.group * NC,
+                                 L.group, vscale, partial.data(), head_scores, len_pad);
         }
       }
       probs.assign(L.num_heads * len_pad, 0);

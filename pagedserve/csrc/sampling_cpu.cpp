@@ -10,9 +10,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "avx512_utils.h"
 
 namespace {
 
@@ -30,10 +28,7 @@ int64_t argmax_row_scalar(const scalar_t* row, int64_t begin, int64_t end, int64
 }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline __m512 load16(const at::BFloat16* p) { return pagedserve::load_bf16x16(p); }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 // 16 lanes each keep their running maximum and its first index; ties across lanes go to the

@@ -51,11 +51,12 @@ class Sampler:
         # logits: [num_rows, vocab]
         logits = logits[:, : self.vocab_size]
         want_logprobs = any(row.params.logprobs is not None for row in rows)
-        if not want_logprobs and all(_is_plain_greedy(row) for row in rows):
+        plain_greedy = all(_is_plain_greedy(row) for row in rows)
+        if plain_greedy and not want_logprobs:
             return self._greedy(logits).tolist(), [None] * len(rows)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [num_rows, vocab]
-        if all(_is_plain_greedy(row) for row in rows):
+        if plain_greedy:
             tokens = self._greedy(logits)
         else:
             if any(_needs_processing(row) for row in rows):
@@ -90,7 +91,7 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        greedy_tokens = logits.max(dim=-1).indices  # [num_rows]
+        greedy_tokens = self._greedy(logits)  # [num_rows]
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if not random_rows:
             return greedy_tokens
