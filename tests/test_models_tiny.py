@@ -226,6 +226,25 @@ def test_cpu_fast_paths_give_identical_logits(tiny, tmp_path):
         model.lm_head.weight_loader(model.lm_head.weight, model.lm_head.weight.detach().clone())
 
 
+def test_amx_matmuls_give_the_same_logits(tiny, tmp_path):
+    """With the C++ kernels on an AMX CPU every linear of the tiny model takes the AMX layout too,
+    and the logits of a mixed prefill + decode step stay those of the plain bf16 model."""
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.has_amx_linear() or not can_pack_linear_weights(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("no AMX bf16 tiles on this machine (or no compiler)")
+    hf_model, _ = tiny
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    save_tiny_tokenizer(str(tmp_path))
+    loaded = load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16"), "cpu")
+    tables = [block_table(40, len(PROMPT)), block_table(59, len(PROMPT_2) + 1)]
+    plain = run_step(loaded, new_kv_caches(loaded), PROMPT + PROMPT_2, [0, 0], [len(PROMPT), len(PROMPT_2)], tables)
+    assert pack_linear_weights(loaded.model, batch_size_hint=8, kernels=kernels) == 4 * loaded.num_layers + 1
+    assert loaded.model.lm_head.amx_weight is not None and loaded.model.model.layers[0].mlp.down_proj.amx_weight is not None
+    amx = run_step(loaded, new_kv_caches(loaded), PROMPT + PROMPT_2, [0, 0], [len(PROMPT), len(PROMPT_2)], tables)
+    torch.testing.assert_close(amx, plain, atol=0.05, rtol=0.02)
+    assert (amx.argmax(-1) == plain.argmax(-1)).float().mean() > 0.9
+
+
 def test_eos_ids_and_generation_config(tmp_path):
     config = CONFIGS["llama"]()
     config.eos_token_id = [2, 7]

@@ -9,6 +9,9 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
 void rotary_embedding_(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor argmax_rows(torch::Tensor logits);
+bool has_amx_linear();
+torch::Tensor pack_linear_weight_amx(torch::Tensor weight);
+torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 
 // Every op drops the GIL while it runs: with the engine core in a thread of the server process,
 // the event loop keeps serving HTTP meanwhile.
@@ -22,5 +25,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         ReleaseGil());
   m.def("rotary_embedding_", &rotary_embedding_, "Rotate-half rope in place (bf16)", ReleaseGil());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (bf16)", ReleaseGil());
+  m.def("has_amx_linear", &has_amx_linear, "Whether linear_amx can run here (built with AMX, tiles granted by the OS)",
+        ReleaseGil());
+  m.def("pack_linear_weight_amx", &pack_linear_weight_amx, "A bf16 [out, in] weight as AMX tile operands", ReleaseGil());
+  m.def("linear_amx", &linear_amx, "x @ W.T (+ bias) in bf16 with AMX tiles, W packed by pack_linear_weight_amx",
+        ReleaseGil());
   m.def("argmax_rows", &argmax_rows, "Index of each row's largest logit, as torch.max(dim=-1).indices", ReleaseGil());
 }

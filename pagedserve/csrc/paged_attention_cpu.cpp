@@ -11,15 +11,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "amx_utils.h"
 #include "avx512_utils.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -270,24 +266,8 @@ inline void prefetch_row(const uint16_t* row, int64_t elements) {
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// Linux hands AMX tile state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XTILEDATA); asked once per process. False where the kernel or the hypervisor refuses.
-inline bool amx_tiles_usable() {
-  static const bool usable = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return usable;
-}
-
-// The 64-byte operand of ldtilecfg (palette 1).
-struct TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};  // bytes per row of each tile
-  uint8_t rows[16] = {};
-};
+using pagedserve::amx_tiles_usable;
+using pagedserve::TileConfig;
 
 // Scores of 16 context tokens against one KV head's group of query heads with AMX:
 // tile 1 = 16 key rows x 32 dims (read in place, rows token_stride apart), tile 2 = the group's

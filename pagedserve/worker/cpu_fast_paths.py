@@ -1,8 +1,10 @@
-"""bf16 fast paths on CPUs: linear weights packed once for oneDNN (no per-call reorder), and the
-fused C++ element-wise ops (RMSNorm with residual add, rope, SiLU-and-mul) handed to the layers.
+"""bf16 fast paths on CPUs: linear weights packed once for oneDNN (no per-call reorder) and, where
+the CPU has AMX, once more for the C++ AMX matmul of small steps; and the fused C++ element-wise
+ops (RMSNorm with residual add, rope, SiLU-and-mul) handed to the layers.
 
-Both give the same results as the plain PyTorch path (bit-identical on the model's shapes); they
-are switched on by the model runner only for bf16 models on a CPU that runs bf16 natively.
+They give the same results as the plain PyTorch path up to float32 summation order (bit-identical
+on the model's shapes at small batches); the model runner switches them on only for bf16 models
+on a CPU that runs bf16 natively.
 """
 
 from __future__ import annotations
@@ -29,20 +31,25 @@ def can_pack_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def pack_linear_weights(model: nn.Module, batch_size_hint: int) -> int:
+def pack_linear_weights(model: nn.Module, batch_size_hint: int, kernels: ModuleType | None = None) -> int:
     """Give every ``Linear`` of ``model`` a packed weight; returns how many were packed.
+
+    With ``kernels`` (the C++ CPU kernels) on a CPU whose OS grants AMX tiles, layers whose shapes
+    fit the tiles also get the AMX layout, used for steps of up to ``AMX_LINEAR_MAX_ROWS`` tokens
+    (another ``out x in`` bf16 copy per layer: +270 MB for SmolLM2-135M).
 
     A weight shared with another module (a tied embedding) keeps its plain copy next to the
     packed one (``vocab x hidden`` more bytes, ~57 MB for SmolLM2-135M); the others are released.
     Packing is for good: the model keeps the packed weights (and cannot load weights again).
     """
     uses = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
+    amx_kernels = kernels if kernels is not None and kernels.has_amx_linear() else None
     packed = 0
     for module in model.modules():
         if isinstance(module, Linear) and module.packed_weight is None:
-            module.pack_weight(batch_size_hint, release_original=uses[id(module.weight)] == 1)
+            module.pack_weight(batch_size_hint, release_original=uses[id(module.weight)] == 1, amx_kernels=amx_kernels)
             packed += 1
-    logger.debug("packed %d linear weights for oneDNN", packed)
+    logger.debug("packed %d linear weights for oneDNN (AMX copies: %s)", packed, amx_kernels is not None)
     return packed
 
 

@@ -20,7 +20,10 @@ logger = logging.getLogger(__name__)
 
 STALE_LOCK_S = 600  # a build takes well under a minute
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
-_SOURCES = [os.path.join(_CSRC, name) for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "sampling_cpu.cpp")]
+_SOURCES = [
+    os.path.join(_CSRC, name)
+    for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "sampling_cpu.cpp", "linear_amx_cpu.cpp")
+]
 
 
 @functools.cache

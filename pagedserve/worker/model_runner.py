@@ -56,7 +56,7 @@ class ModelRunner:
         self.kernels = kernels  # decode attention and cache writes in C++, or None for the PyTorch reference
         self.sampler = Sampler(vocab_size, generator, kernels.argmax_rows if kernels is not None else None)
         if use_cpu_kernels and can_pack_linear_weights(device, dtype):
-            pack_linear_weights(model, batch_size_hint)
+            pack_linear_weights(model, batch_size_hint, kernels)
             if kernels is not None:
                 use_fused_ops(model, kernels)
 

@@ -1,0 +1,33 @@
+// Shared AMX helpers for the CPU kernels: asking Linux for the tile state, and the ldtilecfg operand.
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+
+namespace pagedserve {
+
+// Linux hands AMX tile state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA); asked once per process. False where the kernel or the hypervisor refuses.
+inline bool amx_tiles_usable() {
+  static const bool usable = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+// The 64-byte operand of ldtilecfg (palette 1).
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes per row of each tile
+  uint8_t rows[16] = {};
+};
+
+}  // namespace pagedserve
+#endif
