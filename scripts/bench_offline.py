@@ -2,6 +2,7 @@
 the same prompts through transformers' batched ``generate`` (same weights, same dtype), in one run.
 
     python scripts/bench_offline.py --num-prompts 64 --input-len 200 --output-len 200
+    python scripts/bench_offline.py --num-prompts 32 --input-len 500 --output-len 1 --skip-transformers  # prefill
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model or default_model_path())
     prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, args.seed)
     elapsed, tokens = run_pagedserve(args, prompts)
-    print(f"pagedserve:   {tokens} output tokens in {elapsed:.1f} s = {tokens / elapsed:.1f} output tok/s")
+    prompt_tokens = sum(len(p) for p in prompts)
+    print(f"pagedserve:   {tokens} output tokens in {elapsed:.1f} s = {tokens / elapsed:.1f} output tok/s "
+          f"({prompt_tokens / elapsed:.1f} prompt tok/s; with --output-len 1 that is the prefill rate)")
     if not args.skip_transformers:
         hf_elapsed, hf_tokens = run_transformers(args, prompts)
         print(f"transformers: {hf_tokens} output tokens in {hf_elapsed:.1f} s = {hf_tokens / hf_elapsed:.1f} output tok/s "

@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.worker.attention import _decode_attention, build_attention_metadata, paged_attention, write_kv
+from pagedserve.worker.attention import (
+    _decode_attention,
+    _gather_context,
+    _prefill_attention,
+    build_attention_metadata,
+    paged_attention,
+    write_kv,
+)
 from pagedserve.worker.cpu_kernels import load_cpu_kernels
 
 HEADS, KV_HEADS, DIM, BS = 4, 2, 8, 4
@@ -98,3 +105,87 @@ def test_cpu_kernel_rejects_a_length_beyond_the_block_table():
         kernels.paged_decode_attention(q, cache, torch.tensor([[1, 2]]), torch.tensor([33]), 0.125)
     with pytest.raises(RuntimeError, match="one block table row"):
         kernels.paged_decode_attention(q, cache, torch.tensor([[1, 2]]), torch.tensor([3, 4]), 0.125)
+
+
+def amx_prefill_kernels():
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.has_amx_prefill_attention():
+        pytest.skip("no AMX bf16 tiles on this machine (or no compiler)")
+    return kernels
+
+
+def nan_filled_cache(lens, block_size, kv_heads, head_dim):
+    """A bf16 cache holding random K/V for each context (blocks in reversed order), NaN everywhere else."""
+    num_blocks = 1 + sum((n + block_size - 1) // block_size for n in lens)
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    tables, next_block = [], 1
+    for length in lens:
+        n = (length + block_size - 1) // block_size
+        table = list(range(next_block + n - 1, next_block - 1, -1))
+        tables.append(table)
+        next_block += n
+        for t in range(length):
+            cache[:, table[t // block_size], t % block_size] = torch.randn(2, kv_heads, head_dim).to(torch.bfloat16)
+    return cache, tables
+
+
+# prompts from 1 token to several 16-query blocks, whole or as the last chunk over a cached prefix
+@pytest.mark.parametrize("block_size, heads, kv_heads", [(16, 9, 3), (128, 8, 1), (32, 4, 4)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_amx_prefill_kernel_matches_reference(head_dim, block_size, heads, kv_heads):
+    kernels = amx_prefill_kernels()
+    torch.manual_seed(head_dim + block_size)
+    lens = [1, 17, 40, 16, 100, 300, 33]
+    num_new = [1, 17, 7, 16, 100, 45, 32]  # 7 / 45 / 32 new tokens after a cached prefix
+    cache, tables = nan_filled_cache(lens, block_size, kv_heads, head_dim)
+    meta = build_attention_metadata([n - k for n, k in zip(lens, num_new)], num_new, tables, block_size)
+    q = torch.randn(sum(num_new), heads, head_dim).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    out = kernels.paged_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.prefill_query_start_loc, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and not out.isnan().any()
+    clean = torch.nan_to_num(cache.float(), nan=0.0)
+    for i, (length, new) in enumerate(zip(lens, num_new)):
+        start = meta.query_start_loc[i]
+        k, v = _gather_context(clean, meta.block_tables[i], length)
+        expected = _prefill_attention(q[start : start + new].float(), k, v, scale)
+        torch.testing.assert_close(out[start : start + new].float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_mixed_step_with_the_prefill_kernel_matches_the_pytorch_path():
+    """paged_attention hands decodes to the decode kernel and the prompt chunks after them to the
+    prefill kernel; the result is the pure-PyTorch one up to bf16 rounding."""
+    kernels = amx_prefill_kernels()
+    torch.manual_seed(3)
+    block_size, heads, kv_heads, head_dim = 16, 9, 3, 64
+    lens, num_new = [50, 9, 64, 130], [1, 1, 64, 30]  # two decodes, a whole prompt, a chunk over a prefix
+    cache, tables = nan_filled_cache(lens, block_size, kv_heads, head_dim)
+    cache = torch.nan_to_num(cache, nan=0.0)
+    total = sum(num_new)
+    q = torch.randn(total, heads, head_dim).to(torch.bfloat16)
+    k, v = torch.randn(2, total, kv_heads, head_dim).to(torch.bfloat16)
+    computed = [length - new for length, new in zip(lens, num_new)]
+    reference = paged_attention(q, k, v, cache.clone(), build_attention_metadata(computed, num_new, tables, block_size), 0.125)
+    meta = build_attention_metadata(computed, num_new, tables, block_size, kernels=kernels)
+    assert meta.num_decodes == 2
+    out = paged_attention(q, k, v, cache.clone(), meta, 0.125)
+    torch.testing.assert_close(out.float(), reference.float(), atol=2e-2, rtol=2e-2)
+    pure_prefill = build_attention_metadata([0], [64], [tables[2]], block_size, kernels=kernels)
+    alone = paged_attention(q[2:66], k[2:66], v[2:66], cache.clone(), pure_prefill, 0.125)
+    torch.testing.assert_close(alone.float(), reference[2:66].float(), atol=2e-2, rtol=2e-2)
+
+
+def test_amx_prefill_kernel_rejects_bad_shapes():
+    kernels = amx_prefill_kernels()
+    cache = torch.zeros(2, 8, 16, 3, 64, dtype=torch.bfloat16)
+    q = torch.zeros(4, 9, 64, dtype=torch.bfloat16)
+    table, starts = torch.tensor([[1, 2]]), torch.tensor([0, 4])
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        kernels.paged_prefill_attention(q, cache, table, torch.tensor([40]), starts, 0.125)
+    with pytest.raises(RuntimeError, match="1 .. seq_len queries"):
+        kernels.paged_prefill_attention(q, cache, table, torch.tensor([3]), starts, 0.125)
+    with pytest.raises(RuntimeError, match="query_start_loc"):
+        kernels.paged_prefill_attention(q, cache, table, torch.tensor([8]), torch.tensor([0, 3]), 0.125)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.paged_prefill_attention(q, torch.zeros(2, 8, 8, 3, 64, dtype=torch.bfloat16), table, torch.tensor([8]), starts, 0.125)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.paged_prefill_attention(q.float(), cache, table, torch.tensor([8]), starts, 0.125)

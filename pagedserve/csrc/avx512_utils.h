@@ -1,8 +1,12 @@
 // Shared AVX-512 helpers for the CPU kernels: bf16 <-> float32 conversion (round to nearest even,
-// as c10::BFloat16 does) and a vectorized exp.
+// as c10::BFloat16 does), a vectorized exp and an in-place softmax.
 #pragma once
 
 #include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -37,6 +41,30 @@ inline __m512 exp_avx512(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+// In place: s[0:len] = softmax(s[0:len]).
+inline void softmax_avx512(float* s, int64_t len) {
+  const int64_t vec_end = len - len % 16;
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < vec_end; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+  float mx = _mm512_reduce_max_ps(vmax);
+  for (int64_t t = vec_end; t < len; ++t) mx = std::max(mx, s[t]);
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < vec_end; t += 16) {
+    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmx));
+    _mm512_storeu_ps(s + t, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  float sum = _mm512_reduce_add_ps(vsum);
+  for (int64_t t = vec_end; t < len; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  const __m512 vinv = _mm512_set1_ps(1.f / sum);
+  for (int64_t t = 0; t < vec_end; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), vinv));
+  for (int64_t t = vec_end; t < len; ++t) s[t] *= 1.f / sum;
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)

@@ -30,6 +30,7 @@ namespace {
 
 #if defined(__AVX512F__)
 using pagedserve::exp_avx512;
+using pagedserve::softmax_avx512;
 using pagedserve::load_bf16x16;
 using pagedserve::store_bf16x16;
 #endif
@@ -143,30 +144,6 @@ void decode_attention_kernel(const torch::Tensor& q, const torch::Tensor& kv_cac
 }
 
 #if defined(__AVX512F__)
-// In place: s[0:len] = softmax(s[0:len]).
-inline void softmax_avx512(float* s, int64_t len) {
-  const int64_t vec_end = len - len % 16;
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t = 0; t < vec_end; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
-  float mx = _mm512_reduce_max_ps(vmax);
-  for (int64_t t = vec_end; t < len; ++t) mx = std::max(mx, s[t]);
-  const __m512 vmx = _mm512_set1_ps(mx);
-  __m512 vsum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < vec_end; t += 16) {
-    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmx));
-    _mm512_storeu_ps(s + t, e);
-    vsum = _mm512_add_ps(vsum, e);
-  }
-  float sum = _mm512_reduce_add_ps(vsum);
-  for (int64_t t = vec_end; t < len; ++t) {
-    s[t] = std::exp(s[t] - mx);
-    sum += s[t];
-  }
-  const __m512 vinv = _mm512_set1_ps(1.f / sum);
-  for (int64_t t = 0; t < vec_end; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), vinv));
-  for (int64_t t = vec_end; t < len; ++t) s[t] *= 1.f / sum;
-}
-
 // AVX-512 path for bf16 caches and head_dim = 16 * DV: one key/value row is converted once into
 // DV registers and used by every query head of its group.
 template <int DV>

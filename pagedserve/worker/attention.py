@@ -4,7 +4,8 @@ The KV cache of one layer is one tensor ``[2, num_blocks, block_size, num_kv_hea
 (index 0 = keys, 1 = values). A request's tokens live in the blocks its block table lists,
 token ``t`` at slot ``block_table[t // block_size] * block_size + t % block_size``.
 
-The reference backend here is plain PyTorch (SDPA) and runs on any device.
+The reference backend here is plain PyTorch (SDPA) and runs on any device; on CPUs the model runner
+hands in the C++ kernels (``csrc/``): decode attention, cache writes and, with AMX, prefill attention.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class AttentionMetadata:
     seq_lens_host: list[int]  # same as seq_lens, on the host
     num_decodes: int  # the first num_decodes requests have exactly one query token
     block_size: int
+    # [num_reqs - num_decodes + 1] int64: query_start_loc of the prefill requests, from 0
+    prefill_query_start_loc: torch.Tensor
     # the compiled CPU kernels (paged_decode_attention, write_kv_cache_) chosen by the model runner,
     # or None for the PyTorch reference
     kernels: ModuleType | None = None
@@ -78,6 +81,9 @@ def build_attention_metadata(
         seq_lens_host=seq_lens,
         num_decodes=num_decodes,
         block_size=block_size,
+        prefill_query_start_loc=torch.tensor(
+            [loc - query_start_loc[num_decodes] for loc in query_start_loc[num_decodes:]], dtype=torch.int64, device=device
+        ),
         kernels=kernels,
     )
 
@@ -106,13 +112,23 @@ def paged_attention(
         write_kv(kv_cache, key, value, meta.slot_mapping)
     if kernels is not None and meta.num_decodes == meta.num_reqs:  # a pure decode step: one kernel call
         return kernels.paged_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale)
+    num = meta.num_decodes
+    prefill_kernel = _prefill_kernel_applies(kernels, query, kv_cache)
+    if prefill_kernel and num == 0:  # a pure prefill step: one kernel call
+        return kernels.paged_prefill_attention(
+            query, kv_cache, meta.block_tables, meta.seq_lens, meta.prefill_query_start_loc, scale
+        )
     out = torch.empty_like(query)
-    if meta.num_decodes:
-        num = meta.num_decodes
+    if num:
         if kernels is not None:
             out[:num] = kernels.paged_decode_attention(query[:num], kv_cache, meta.block_tables[:num], meta.seq_lens[:num], scale)
         else:
             out[:num] = _decode_attention(query[:num], kv_cache, meta, scale)
+    if prefill_kernel:
+        out[num:] = kernels.paged_prefill_attention(
+            query[num:], kv_cache, meta.block_tables[num:], meta.seq_lens[num:], meta.prefill_query_start_loc, scale
+        )
+        return out
     for i in range(meta.num_decodes, meta.num_reqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         seq_len = meta.seq_lens_host[i]
@@ -122,6 +138,18 @@ def paged_attention(
             k, v = _gather_context(kv_cache, meta.block_tables[i], seq_len)
         out[start:end] = _prefill_attention(query[start:end], k, v, scale)
     return out
+
+
+def _prefill_kernel_applies(kernels: ModuleType | None, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the C++ AMX prefill kernel takes this layer's prompt chunks (bf16, head_dim 64 / 128,
+    blocks of a multiple of 16 tokens, AMX granted); otherwise PyTorch's SDPA does, per request."""
+    return (
+        kernels is not None
+        and query.dtype == kv_cache.dtype == torch.bfloat16
+        and query.shape[-1] in (64, 128)
+        and kv_cache.shape[2] % 16 == 0
+        and kernels.has_amx_prefill_attention()
+    )
 
 
 def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,10 +20,15 @@ logger = logging.getLogger(__name__)
 
 STALE_LOCK_S = 600  # a build takes well under a minute
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
-_SOURCES = [
-    os.path.join(_CSRC, name)
-    for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "sampling_cpu.cpp", "linear_amx_cpu.cpp")
-]
+_SOURCE_NAMES = (
+    "bindings.cpp",
+    "paged_attention_cpu.cpp",
+    "prefill_attention_cpu.cpp",
+    "fused_ops_cpu.cpp",
+    "sampling_cpu.cpp",
+    "linear_amx_cpu.cpp",
+)
+_SOURCES = [os.path.join(_CSRC, name) for name in _SOURCE_NAMES]
 
 
 @functools.cache

@@ -1,0 +1,261 @@
+// Paged prefill attention for bf16 caches with AMX tiles: the query tokens of each prompt chunk
+// attend causally to their request's whole context (a cached prefix included), read through the
+// block table, with no per-request gather or PyTorch call.
+//
+// q:               [num_tokens, num_heads, head_dim] bf16: the prefill requests' query tokens, request by request
+// kv_cache:        [2, num_blocks, block_size, num_kv_heads, head_dim] bf16, this step's keys/values already written
+// block_tables:    [num_reqs, max_num_blocks] int64
+// seq_lens:        [num_reqs] int64: context length after this step (>= the request's query count)
+// query_start_loc: [num_reqs + 1] int64: request i's queries are rows query_start_loc[i] .. query_start_loc[i + 1]
+// returns          [num_tokens, num_heads, head_dim] bf16
+//
+// Query i of a request with n queries and context length L sits at position L - n + i and sees keys
+// 0 .. L - n + i. Per request and KV head, keys and values are first laid out as AMX operands
+// (keys transposed in 32-bit pairs, values pair-interleaved), once, then shared by every block of
+// 16 queries of that head group: scores S = Q K^T for 16 queries x 16 keys per tile product, an exact
+// float32 softmax per query row, probabilities rounded to bf16 (as a bf16 attention matmul does),
+// O = P V for 16 queries x 64 dims per four tile products.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "amx_utils.h"
+#include "avx512_utils.h"
+
+namespace {
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+constexpr int64_t kOperand = 512;  // bf16 elements of one 16 x 64-byte tile operand (1 KB)
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Tiles 0-3: float32 results (scores, or 16 queries x 16 dims of the output each); 4: the A operand
+// (queries, or probabilities); 6, 7: B operands (keys, or values). All 16 rows x 64 bytes.
+inline void configure_tiles() {
+  pagedserve::TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+struct PrefillLayout {
+  int64_t num_reqs, num_heads, num_kv_heads, group, block_size, max_num_blocks, token_stride, values_offset;
+  const int64_t* tables;
+  const int64_t* lens;
+  const int64_t* starts;
+  std::vector<int64_t> packed_offset;  // per request: first element of its packed keys (and values)
+
+  // rows[t] = element offset of context token t of request req within the keys (or the values)
+  void rows(int64_t req, std::vector<int64_t>& rows) const {
+    const int64_t len = lens[req];
+    rows.resize(len);
+    const int64_t* table = tables + req * max_num_blocks;
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+      const int64_t first = table[b] * block_size * token_stride;
+      for (int64_t i = 0; i < std::min(block_size, len - t0); ++i) rows[t0 + i] = first + i * token_stride;
+    }
+  }
+};
+
+// One request's keys and values of one KV head as tile operands, padded with zeros to a multiple of 32 tokens:
+// keys_t[chunk of 16 keys][c][r][n][j] = K[16 chunk + n][32 c + 2 r + j]   (B operand of S = Q K^T)
+// values[chunk of 32 keys][b][r][d][j] = V[32 chunk + 2 r + j][16 b + d]   (B operand of O = P V)
+template <int NC>
+void pack_context(const uint16_t* k_head, const uint16_t* v_head, const std::vector<int64_t>& rows, int64_t len,
+                  uint16_t* keys_t, uint16_t* values) {
+  constexpr int64_t D = 32 * NC;
+  const int64_t padded = round_up(len, 32);
+  for (int64_t t = 0; t < padded; ++t) {
+    const int64_t chunk = t / 16, n = t % 16;
+    for (int64_t c = 0; c < NC; ++c) {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(keys_t + (chunk * NC + c) * kOperand) + n;
+      for (int64_t r = 0; r < 16; ++r) {
+        uint32_t pair = 0;
+        if (t < len) std::memcpy(&pair, k_head + rows[t] + 32 * c + 2 * r, 4);
+        dst[16 * r] = pair;
+      }
+    }
+    const int64_t vchunk = t / 32, r = (t % 32) / 2, j = t % 2;
+    for (int64_t b = 0; b < D / 16; ++b) {
+      uint16_t* dst = values + (vchunk * (D / 16) + b) * kOperand + r * 32 + j;
+      for (int64_t d = 0; d < 16; ++d) dst[2 * d] = t < len ? v_head[rows[t] + 16 * b + d] : 0;
+    }
+  }
+}
+
+template <int NC>
+void prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& kv_cache, const PrefillLayout& L, double scale,
+                           torch::Tensor& out) {
+  constexpr int64_t D = 32 * NC;
+  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* k_base = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>());
+  const auto* v_base = k_base + L.values_offset;
+  auto* out_ptr = out.data_ptr<at::BFloat16>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t packed_total = L.packed_offset[L.num_reqs];
+  std::vector<uint16_t> keys_t(packed_total), values(packed_total);
+
+  // 1. keys and values as tile operands, once per (request, KV head)
+  at::parallel_for(0, L.num_reqs * L.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> rows;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t req = w / L.num_kv_heads, kv = w % L.num_kv_heads;
+      L.rows(req, rows);
+      const int64_t offset = L.packed_offset[req] + kv * round_up(L.lens[req], 32) * D;
+      pack_context<NC>(k_base + kv * D, v_base + kv * D, rows, L.lens[req], keys_t.data() + offset, values.data() + offset);
+    }
+  });
+
+  // 2. one work item = 16 queries of one head of one request
+  std::vector<int64_t> first_item(L.num_reqs + 1, 0);
+  for (int64_t i = 0; i < L.num_reqs; ++i) {
+    first_item[i + 1] = first_item[i] + L.num_heads * ((L.starts[i + 1] - L.starts[i] + 15) / 16);
+  }
+  at::parallel_for(0, first_item[L.num_reqs], 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) uint16_t q_block[16 * D];
+    alignas(64) float out_block[16 * 64];
+    std::vector<float> scores;
+    std::vector<uint16_t> probs;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t req = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+      const int64_t num_q = L.starts[req + 1] - L.starts[req], q_blocks = (num_q + 15) / 16;
+      const int64_t head = (item - first_item[req]) / q_blocks, qb = (item - first_item[req]) % q_blocks;
+      const int64_t kv = head / L.group, len = L.lens[req];
+      const int64_t first_pos = len - num_q + 16 * qb;  // position of this block's first query
+      const int64_t n_rows = std::min<int64_t>(16, num_q - 16 * qb);
+      const int64_t keys = first_pos + n_rows;  // keys seen by the block's last query
+      const int64_t width = round_up(keys, 32);
+      const int64_t offset = L.packed_offset[req] + kv * round_up(len, 32) * D;
+      const uint16_t* keys_t_head = keys_t.data() + offset;
+      const uint16_t* values_head = values.data() + offset;
+
+      std::memset(q_block, 0, sizeof(q_block));
+      for (int64_t n = 0; n < n_rows; ++n) {
+        std::memcpy(q_block + n * D, q_ptr + ((L.starts[req] + 16 * qb + n) * L.num_heads + head) * D, D * 2);
+      }
+      // S [16 queries, width] (float32), 16 keys per tile product
+      scores.resize(16 * width);
+      for (int64_t chunk = 0; chunk < (keys + 15) / 16; ++chunk) {
+        _tile_zero(0);
+        for (int c = 0; c < NC; ++c) {
+          _tile_loadd(4, q_block + 32 * c, D * 2);
+          _tile_loadd(6, keys_t_head + (chunk * NC + c) * kOperand, 64);
+          _tile_dpbf16ps(0, 4, 6);
+        }
+        _tile_stored(0, scores.data() + 16 * chunk, width * 4);
+      }
+      // P [16 queries, width] (bf16): causal softmax per query row, zeros past its last key and in padding rows
+      probs.assign(16 * width, 0);
+      const __m512 vscale = _mm512_set1_ps(fscale);
+      for (int64_t n = 0; n < n_rows; ++n) {
+        float* s = scores.data() + n * width;
+        const int64_t seen = first_pos + n + 1;
+        for (int64_t t = 0; t < seen; t += 16) {
+          const __mmask16 m = seen - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (seen - t)) - 1u);
+          _mm512_mask_storeu_ps(s + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), vscale));
+        }
+        pagedserve::softmax_avx512(s, seen);
+        uint16_t* p = probs.data() + n * width;
+        for (int64_t t = 0; t < seen; t += 16) {
+          const __mmask16 m = seen - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (seen - t)) - 1u);
+          const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, s + t));
+          _mm256_mask_storeu_epi16(p + t, m, reinterpret_cast<__m256i>(b));
+        }
+      }
+      // O [16 queries, D] = P V, 64 output dims (four tiles) at a time
+      for (int64_t half = 0; half < D / 64; ++half) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t chunk = 0; chunk < width / 32; ++chunk) {
+          const uint16_t* v = values_head + (chunk * (D / 16) + 4 * half) * kOperand;
+          _tile_loadd(4, probs.data() + 32 * chunk, width * 2);
+          _tile_loadd(6, v, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_loadd(7, v + kOperand, 64);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_loadd(6, v + 2 * kOperand, 64);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_loadd(7, v + 3 * kOperand, 64);
+          _tile_dpbf16ps(3, 4, 7);
+        }
+        _tile_stored(0, out_block, 64 * 4);
+        _tile_stored(1, out_block + 16, 64 * 4);
+        _tile_stored(2, out_block + 32, 64 * 4);
+        _tile_stored(3, out_block + 48, 64 * 4);
+        for (int64_t n = 0; n < n_rows; ++n) {
+          auto* dst = out_ptr + ((L.starts[req] + 16 * qb + n) * L.num_heads + head) * D + 64 * half;
+          for (int64_t d = 0; d < 64; d += 16) pagedserve::store_bf16x16(dst + d, _mm512_load_ps(out_block + n * 64 + d));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+}  // namespace
+
+bool has_amx_prefill_attention() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  return pagedserve::amx_tiles_usable();
+#else
+  return false;
+#endif
+}
+
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                                      torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale) {
+  TORCH_CHECK(has_amx_prefill_attention(), "paged_prefill_attention: this CPU (or its OS) offers no AMX bf16 tiles");
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5, "q must be [tokens, heads, dim], kv_cache [2, blocks, bs, kv_heads, dim]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16, "q and kv_cache must be bfloat16");
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "q and kv_cache must be on the CPU");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.size(0) == 2 && kv_cache.size(4) == q.size(2), "kv_cache must be contiguous, head_dim as q's");
+  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "head_dim must be 64 or 128");
+  TORCH_CHECK(kv_cache.size(2) % 16 == 0, "block_size must be a multiple of 16");
+  TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of kv heads");
+  q = q.contiguous();
+  block_tables = block_tables.to(torch::kInt64).contiguous();
+  seq_lens = seq_lens.to(torch::kInt64).contiguous();
+  query_start_loc = query_start_loc.to(torch::kInt64).contiguous();
+  const int64_t num_reqs = seq_lens.numel();
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_reqs && query_start_loc.numel() == num_reqs + 1,
+              "one block table row, one length and one query range per request");
+  auto out = torch::empty_like(q);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  PrefillLayout L;
+  L.num_reqs = num_reqs;
+  L.num_heads = q.size(1);
+  L.num_kv_heads = kv_cache.size(3);
+  L.group = L.num_heads / L.num_kv_heads;
+  L.block_size = kv_cache.size(2);
+  L.max_num_blocks = block_tables.size(1);
+  L.token_stride = L.num_kv_heads * q.size(2);
+  L.values_offset = kv_cache.size(1) * kv_cache.size(2) * L.token_stride;
+  L.tables = block_tables.data_ptr<int64_t>();
+  L.lens = seq_lens.data_ptr<int64_t>();
+  L.starts = query_start_loc.data_ptr<int64_t>();
+  TORCH_CHECK(L.starts[0] == 0 && L.starts[num_reqs] == q.size(0), "query_start_loc must run from 0 to the number of query tokens");
+  L.packed_offset.assign(num_reqs + 1, 0);
+  for (int64_t i = 0; i < num_reqs; ++i) {
+    const int64_t num_q = L.starts[i + 1] - L.starts[i];
+    TORCH_CHECK(num_q > 0 && num_q <= L.lens[i], "each request needs 1 .. seq_len queries");
+    TORCH_CHECK(L.lens[i] <= L.max_num_blocks * L.block_size, "a sequence is longer than its block table");
+    L.packed_offset[i + 1] = L.packed_offset[i] + L.num_kv_heads * round_up(L.lens[i], 32) * q.size(2);
+  }
+  if (q.size(2) == 64) {
+    prefill_attention_amx<2>(q, kv_cache, L, scale, out);
+  } else {
+    prefill_attention_amx<4>(q, kv_cache, L, scale, out);
+  }
+#endif
+  return out;
+}
