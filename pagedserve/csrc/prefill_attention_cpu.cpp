@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "amx_utils.h"
@@ -89,6 +90,30 @@ void pack_context(const uint16_t* k_head, const uint16_t* v_head, const std::vec
   }
 }
 
+// p[0:seen] = bf16(softmax(scale * s[0:seen])) in three passes (max; exponentials and their sum,
+// kept in s; normalize and round); p[seen:] is left as it is.
+inline void softmax_to_bf16(float* s, int64_t seen, float scale, uint16_t* p) {
+  auto mask = [seen](int64_t t) {
+    return seen - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (seen - t)) - 1u);
+  };
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < seen; t += 16) vmax = _mm512_mask_max_ps(vmax, mask(t), vmax, _mm512_loadu_ps(s + t));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 vshift = _mm512_set1_ps(_mm512_reduce_max_ps(vmax) * scale);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < seen; t += 16) {
+    const __mmask16 m = mask(t);
+    const __m512 e = _mm512_maskz_mov_ps(m, pagedserve::exp_avx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + t), vscale, vshift)));
+    _mm512_storeu_ps(s + t, e);  // s has room: rows are `width` >= round_up(seen, 32) floats long
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  const __m512 vinv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+  for (int64_t t = 0; t < seen; t += 16) {
+    const __m256bh b = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + t), vinv));
+    _mm256_mask_storeu_epi16(p + t, mask(t), reinterpret_cast<__m256i>(b));
+  }
+}
+
 template <int NC>
 void prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& kv_cache, const PrefillLayout& L, double scale,
                            torch::Tensor& out) {
@@ -153,21 +178,8 @@ void prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& kv_cache
       }
       // P [16 queries, width] (bf16): causal softmax per query row, zeros past its last key and in padding rows
       probs.assign(16 * width, 0);
-      const __m512 vscale = _mm512_set1_ps(fscale);
       for (int64_t n = 0; n < n_rows; ++n) {
-        float* s = scores.data() + n * width;
-        const int64_t seen = first_pos + n + 1;
-        for (int64_t t = 0; t < seen; t += 16) {
-          const __mmask16 m = seen - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (seen - t)) - 1u);
-          _mm512_mask_storeu_ps(s + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), vscale));
-        }
-        pagedserve::softmax_avx512(s, seen);
-        uint16_t* p = probs.data() + n * width;
-        for (int64_t t = 0; t < seen; t += 16) {
-          const __mmask16 m = seen - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (seen - t)) - 1u);
-          const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, s + t));
-          _mm256_mask_storeu_epi16(p + t, m, reinterpret_cast<__m256i>(b));
-        }
+        softmax_to_bf16(scores.data() + n * width, first_pos + n + 1, fscale, probs.data() + n * width);
       }
       // O [16 queries, D] = P V, 64 output dims (four tiles) at a time
       for (int64_t half = 0; half < D / 64; ++half) {
