@@ -50,6 +50,31 @@ struct DecodeLayout {
         values_offset(kv_cache.size(1) * kv_cache.size(2) * token_stride),
         tables(block_tables.data_ptr<int64_t>()), lens(seq_lens.data_ptr<int64_t>()) {}
 
+  // fn(first_seq, end_seq) once per thread, on contiguous runs of sequences of about equal work
+  // (context tokens plus a fixed cost per sequence). at::parallel_for alone splits by count, and a
+  // few long contexts among short ones (a mixed load) would leave the other thread waiting.
+  template <typename F>
+  void parallel_over_sequences(const F& fn) const {
+    constexpr int64_t kCostPerSequence = 64;  // in context tokens: queries, softmax, output
+    const int64_t parts = std::min<int64_t>(at::get_num_threads(), num_seqs);
+    if (parts <= 1) {
+      fn(0, num_seqs);
+      return;
+    }
+    int64_t total = 0;
+    for (int64_t seq = 0; seq < num_seqs; ++seq) total += lens[seq] + kCostPerSequence;
+    std::vector<int64_t> bounds(parts + 1, num_seqs);
+    bounds[0] = 0;
+    int64_t done = 0, part = 1;
+    for (int64_t seq = 0; seq < num_seqs && part < parts; ++seq) {
+      done += lens[seq] + kCostPerSequence;
+      while (part < parts && done * parts >= total * part) bounds[part++] = seq + 1;
+    }
+    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) fn(bounds[p], bounds[p + 1]);
+    });
+  }
+
   // rows[t] = element offset of context token t (t < len) of sequence seq within the keys (or
   // the values), walking the block table once: no division per token in the kernels' inner loops.
   void rows(int64_t seq, int64_t len, std::vector<int64_t>& rows) const {
@@ -159,7 +184,7 @@ void decode_attention_bf16_avx512(const torch::Tensor& q, const torch::Tensor& k
 
   // NOTE: one work item is a whole sequence, so each cached row (all KV heads) is read once,
   // front to back, which keeps the hardware prefetcher streaming.
-  at::parallel_for(0, L.num_seqs, 1, [&](int64_t begin, int64_t end) {
+  L.parallel_over_sequences([&](int64_t begin, int64_t end) {
     std::vector<__m512> qv(L.num_heads * DV);
     std::vector<__m512> acc(L.num_heads * DV);
     std::vector<float> scores;
@@ -419,7 +444,7 @@ void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& k
   const bool use_amx = L.block_size % 16 == 0 && L.group <= 16 && amx_tiles_usable();
 #endif
 
-  at::parallel_for(0, L.num_seqs, 1, [&](int64_t begin, int64_t end) {
+  L.parallel_over_sequences([&](int64_t begin, int64_t end) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     std::optional<AmxScoreTiles> tiles;
     if (use_amx) tiles.emplace(L.group);
