@@ -36,8 +36,8 @@ class AttentionMetadata:
     block_size: int
     # [num_reqs - num_decodes + 1] int64: query_start_loc of the prefill requests, from 0
     prefill_query_start_loc: torch.Tensor
-    # the compiled CPU kernels (paged_decode_attention, write_kv_cache_) chosen by the model runner,
-    # or None for the PyTorch reference
+    # the compiled CPU kernels (paged_decode_attention, paged_prefill_attention, write_kv_cache_)
+    # chosen by the model runner, or None for the PyTorch reference
     kernels: ModuleType | None = None
 
     @property
