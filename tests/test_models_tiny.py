@@ -198,25 +198,34 @@ def test_bfloat16_load_stays_close(tiny, tmp_path):
     assert (logits - reference).abs().max() < 0.15 * reference.abs().max()
 
 
+def load_bf16(hf_model, path) -> LoadedModel:
+    """The tiny model saved to ``path`` and loaded back in bfloat16."""
+    hf_model.save_pretrained(path, safe_serialization=True)
+    save_tiny_tokenizer(str(path))
+    return load_model(ModelConfig(model=str(path), dtype="bfloat16"), "cpu")
+
+
+def two_prompt_step(loaded: LoadedModel) -> torch.Tensor:
+    """Logits of one step prefilling PROMPT and PROMPT_2 together, on fresh caches."""
+    tables = [block_table(40, len(PROMPT)), block_table(59, len(PROMPT_2) + 1)]
+    return run_step(loaded, new_kv_caches(loaded), PROMPT + PROMPT_2, [0, 0], [len(PROMPT), len(PROMPT_2)], tables)
+
+
 def test_cpu_fast_paths_give_identical_logits(tiny, tmp_path):
     """oneDNN-packed bf16 weights give bit-identical logits, the fused C++ ops too up to a bf16 rounding;
     plain weight copies are released except a tied embedding's."""
     if not can_pack_linear_weights(torch.device("cpu"), torch.bfloat16):
         pytest.skip("this CPU's oneDNN has no native bf16")
-    hf_model, _ = tiny
-    hf_model.save_pretrained(tmp_path, safe_serialization=True)
-    save_tiny_tokenizer(str(tmp_path))
-    loaded = load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16"), "cpu")
-    tables = [block_table(40, len(PROMPT)), block_table(59, len(PROMPT_2) + 1)]
-    plain = run_step(loaded, new_kv_caches(loaded), PROMPT + PROMPT_2, [0, 0], [len(PROMPT), len(PROMPT_2)], tables)
+    loaded = load_bf16(tiny[0], tmp_path)
+    plain = two_prompt_step(loaded)
     model = loaded.model
     assert pack_linear_weights(model, batch_size_hint=8) == 4 * loaded.num_layers + 1
-    packed = run_step(loaded, new_kv_caches(loaded), PROMPT + PROMPT_2, [0, 0], [len(PROMPT), len(PROMPT_2)], tables)
+    packed = two_prompt_step(loaded)
     torch.testing.assert_close(packed, plain, atol=0, rtol=0)
     kernels = load_cpu_kernels()
     if kernels is not None and use_fused_ops(model, kernels):  # rope, norms and SiLU-and-mul in C++ as well
         assert model.model.layers[0].self_attn.fused_ops is kernels and model.model.norm.fused_ops is kernels
-        fused = run_step(loaded, new_kv_caches(loaded), PROMPT + PROMPT_2, [0, 0], [len(PROMPT), len(PROMPT_2)], tables)
+        fused = two_prompt_step(loaded)
         # identical here; elsewhere a float32 summation order or exp may flip one bf16 rounding
         torch.testing.assert_close(fused, plain, atol=0.05, rtol=0.02)
         assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() > 0.9
@@ -228,19 +237,15 @@ def test_cpu_fast_paths_give_identical_logits(tiny, tmp_path):
 
 def test_amx_matmuls_give_the_same_logits(tiny, tmp_path):
     """With the C++ kernels on an AMX CPU every linear of the tiny model takes the AMX layout too,
-    and the logits of a mixed prefill + decode step stay those of the plain bf16 model."""
+    and the logits of a two-prompt prefill step stay those of the plain bf16 model."""
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.has_amx_linear() or not can_pack_linear_weights(torch.device("cpu"), torch.bfloat16):
         pytest.skip("no AMX bf16 tiles on this machine (or no compiler)")
-    hf_model, _ = tiny
-    hf_model.save_pretrained(tmp_path, safe_serialization=True)
-    save_tiny_tokenizer(str(tmp_path))
-    loaded = load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16"), "cpu")
-    tables = [block_table(40, len(PROMPT)), block_table(59, len(PROMPT_2) + 1)]
-    plain = run_step(loaded, new_kv_caches(loaded), PROMPT + PROMPT_2, [0, 0], [len(PROMPT), len(PROMPT_2)], tables)
+    loaded = load_bf16(tiny[0], tmp_path)
+    plain = two_prompt_step(loaded)
     assert pack_linear_weights(loaded.model, batch_size_hint=8, kernels=kernels) == 4 * loaded.num_layers + 1
     assert loaded.model.lm_head.amx_weight is not None and loaded.model.model.layers[0].mlp.down_proj.amx_weight is not None
-    amx = run_step(loaded, new_kv_caches(loaded), PROMPT + PROMPT_2, [0, 0], [len(PROMPT), len(PROMPT_2)], tables)
+    amx = two_prompt_step(loaded)
     torch.testing.assert_close(amx, plain, atol=0.05, rtol=0.02)
     assert (amx.argmax(-1) == plain.argmax(-1)).float().mean() > 0.9
 

@@ -29,5 +29,15 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
+// Loads a configuration where all eight tiles are 16 rows x 64 bytes (16 x 32 bf16 or 16 x 16 float32).
+inline void configure_full_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
 }  // namespace pagedserve
 #endif

@@ -24,15 +24,8 @@ namespace {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 constexpr int64_t kRowChunk = 128;  // rows of x per pass over a thread's weights: its slice of x stays in L2
 
-// Tiles 0-3: float32 sums C[mi][ni] (tile 2 mi + ni); 4-5: 16 rows x 32 of x; 6-7: weight operands.
-inline void configure_tiles() {
-  pagedserve::TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = 16;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
+// Tiles (configure_full_tiles): 0-3 float32 sums C[mi][ni] (tile 2 mi + ni); 4-5: 16 rows x 32 of x;
+// 6-7: weight operands.
 
 // out[m0 + 16 mi + r][16 (nb0 + ni) + c] for MT x NT tiles of 16 x 16 outputs: one pass over K.
 // x: [rows_pad, K] (rows_pad >= m0 + 16 MT); w: packed; sums: scratch [16, 16] float32.
@@ -129,7 +122,7 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, c10::optional<to
   auto* out_ptr = out.data_ptr<at::BFloat16>();
   // NOTE: threads split the output columns, so each weight byte is read by one thread, once per row chunk.
   at::parallel_for(0, (n_blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    pagedserve::configure_full_tiles();
     alignas(64) float sums[16 * 16];
     for (int64_t chunk = 0; chunk < rows_pad; chunk += kRowChunk) {
       for (int64_t pair = begin; pair < end; ++pair) {

@@ -13,6 +13,7 @@
 
 #include "amx_utils.h"
 #include "avx512_utils.h"
+#include "paged_kv_layout.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -75,16 +76,9 @@ struct DecodeLayout {
     });
   }
 
-  // rows[t] = element offset of context token t (t < len) of sequence seq within the keys (or
-  // the values), walking the block table once: no division per token in the kernels' inner loops.
+  // rows[t] = element offset of context token t (t < len) of sequence seq within the keys (or the values)
   void rows(int64_t seq, int64_t len, std::vector<int64_t>& rows) const {
-    rows.resize(len);
-    const int64_t* table = tables + seq * max_num_blocks;
-    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
-      const int64_t first = table[b] * block_size * token_stride;
-      const int64_t n = std::min(block_size, len - t0);
-      for (int64_t i = 0; i < n; ++i) rows[t0 + i] = first + i * token_stride;
-    }
+    pagedserve::context_rows(tables + seq * max_num_blocks, block_size, token_stride, len, rows);
   }
 };
 

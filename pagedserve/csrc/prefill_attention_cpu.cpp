@@ -26,6 +26,7 @@
 
 #include "amx_utils.h"
 #include "avx512_utils.h"
+#include "paged_kv_layout.h"
 
 namespace {
 
@@ -34,16 +35,8 @@ constexpr int64_t kOperand = 512;  // bf16 elements of one 16 x 64-byte tile ope
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Tiles 0-3: float32 results (scores, or 16 queries x 16 dims of the output each); 4: the A operand
-// (queries, or probabilities); 6, 7: B operands (keys, or values). All 16 rows x 64 bytes.
-inline void configure_tiles() {
-  pagedserve::TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = 16;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
+// Tiles (configure_full_tiles): 0-3 float32 results (scores, or 16 queries x 16 dims of the output
+// each); 4: the A operand (queries, or probabilities); 6, 7: B operands (keys, or values).
 
 struct PrefillLayout {
   int64_t num_reqs, num_heads, num_kv_heads, group, block_size, max_num_blocks, token_stride, values_offset;
@@ -54,13 +47,7 @@ struct PrefillLayout {
 
   // rows[t] = element offset of context token t of request req within the keys (or the values)
   void rows(int64_t req, std::vector<int64_t>& rows) const {
-    const int64_t len = lens[req];
-    rows.resize(len);
-    const int64_t* table = tables + req * max_num_blocks;
-    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
-      const int64_t first = table[b] * block_size * token_stride;
-      for (int64_t i = 0; i < std::min(block_size, len - t0); ++i) rows[t0 + i] = first + i * token_stride;
-    }
+    pagedserve::context_rows(tables + req * max_num_blocks, block_size, token_stride, lens[req], rows);
   }
 };
 
@@ -143,7 +130,7 @@ void prefill_attention_amx(const torch::Tensor& q, const torch::Tensor& kv_cache
     first_item[i + 1] = first_item[i] + L.num_heads * ((L.starts[i + 1] - L.starts[i] + 15) / 16);
   }
   at::parallel_for(0, first_item[L.num_reqs], 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    pagedserve::configure_full_tiles();
     alignas(64) uint16_t q_block[16 * D];
     alignas(64) float out_block[16 * 64];
     std::vector<float> scores;

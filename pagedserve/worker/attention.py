@@ -34,8 +34,9 @@ class AttentionMetadata:
     seq_lens_host: list[int]  # same as seq_lens, on the host
     num_decodes: int  # the first num_decodes requests have exactly one query token
     block_size: int
-    # [num_reqs - num_decodes + 1] int64: query_start_loc of the prefill requests, from 0
-    prefill_query_start_loc: torch.Tensor
+    # [num_reqs - num_decodes + 1] int64: query_start_loc of the prefill requests, from 0 (None in a
+    # pure decode step)
+    prefill_query_start_loc: torch.Tensor | None
     # the compiled CPU kernels (paged_decode_attention, paged_prefill_attention, write_kv_cache_)
     # chosen by the model runner, or None for the PyTorch reference
     kernels: ModuleType | None = None
@@ -81,8 +82,10 @@ def build_attention_metadata(
         seq_lens_host=seq_lens,
         num_decodes=num_decodes,
         block_size=block_size,
-        prefill_query_start_loc=torch.tensor(
-            [loc - query_start_loc[num_decodes] for loc in query_start_loc[num_decodes:]], dtype=torch.int64, device=device
+        prefill_query_start_loc=(
+            torch.tensor([loc - query_start_loc[num_decodes] for loc in query_start_loc[num_decodes:]], device=device)
+            if num_decodes < len(seq_lens)
+            else None
         ),
         kernels=kernels,
     )
