@@ -59,6 +59,10 @@ class _EngineStateCollector:
              stats.prefix_cache_queries),
             ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits),
             ("num_preemptions", "Cumulative number of preemptions from the engine.", stats.num_preemptions),
+            ("engine_busy_seconds", "Wall seconds the engine core had requests in flight (step start to step start).",
+             stats.busy_seconds),
+            ("model_forward_seconds", "Wall seconds of engine_busy_seconds spent in the model forward pass and logits.",
+             stats.model_forward_seconds),
         ):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             counter.add_metric(value, number)

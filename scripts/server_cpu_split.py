@@ -3,6 +3,9 @@
 Starts a `pagedserve bench` run against the server and reports the CPU seconds (user + system)
 each process of the server used during it. For pagedserve the parent process is the front end
 (HTTP, validation, detokenization, SSE) and the child is the engine core (scheduler and model).
+From pagedserve's `/metrics` it also reads how much of the engine core's busy time went to the
+model forward pass (`model_forward_seconds` / `engine_busy_seconds`), and prints the share of all
+the server's CPU spent outside the forward: front end + engine core x (1 - forward share).
 
     python scripts/server_cpu_split.py --pid $(pgrep -f "pagedserve serve" | head -1) \
         --url http://127.0.0.1:8000 --workload short --concurrency 64 --duration 20
@@ -14,6 +17,8 @@ import argparse
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 
 import psutil
 
@@ -28,6 +33,23 @@ def snapshot(root: psutil.Process) -> dict[int, tuple[str, float]]:
     return {p.pid: (" ".join(p.cmdline()[:3])[:60], cpu_seconds(p)) for p in procs if p.is_running()}
 
 
+def engine_seconds(url: str) -> tuple[float, float] | None:
+    """(engine_busy_seconds, model_forward_seconds) from pagedserve's /metrics, or None elsewhere."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ("pagedserve:engine_busy_seconds_total", "pagedserve:model_forward_seconds_total"):
+            values[name] = float(line.rsplit(" ", 1)[1])
+    if len(values) != 2:
+        return None
+    return values["pagedserve:engine_busy_seconds_total"], values["pagedserve:model_forward_seconds_total"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pid", type=int, required=True, help="the server's main process")
@@ -39,17 +61,36 @@ def main() -> None:
 
     root = psutil.Process(args.pid)
     before = snapshot(root)
+    engine_before = engine_seconds(args.url)
     with tempfile.TemporaryDirectory() as output_dir:
         subprocess.run([sys.executable, "-m", "pagedserve.bench", "--target", args.url, "--workload", args.workload,
                         "--concurrency", args.concurrency, "--duration", args.duration, "--drain-timeout", "0",
                         "--num-warmups", "0", "--ignore-eos", "--no-progress", "--output-dir", output_dir],
                        check=True, stdout=subprocess.DEVNULL)
     after = snapshot(root)
+    engine_after = engine_seconds(args.url)
+    for _ in range(60):  # the cut-off requests are aborted; once idle, the core sends exact totals
+        time.sleep(0.5)
+        latest = engine_seconds(args.url)
+        if latest == engine_after:
+            break
+        engine_after = latest
     used = {pid: after[pid][1] - before.get(pid, ("", 0.0))[1] for pid in after}
     total = sum(used.values()) or 1.0
     for pid, seconds in sorted(used.items(), key=lambda item: -item[1]):
         role = "front end" if pid == args.pid else "child"
         print(f"{pid:>8} {role:<10} {seconds:8.1f} s CPU  {100 * seconds / total:5.1f} %  {after[pid][0]}")
+    if engine_before is None or engine_after is None:
+        return
+    busy, forward = (b - a for a, b in zip(engine_before, engine_after))
+    if busy <= 0:
+        return
+    front = used.get(args.pid, 0.0) / total
+    outside = 1 - forward / busy
+    print(f"engine core: {busy:.1f} s busy, {forward:.1f} s in the model forward and logits "
+          f"({100 * outside:.1f} % outside)")
+    print(f"outside the forward: front end {100 * front:.1f} % + engine core {100 * (1 - front):.1f} % x "
+          f"{100 * outside:.1f} % = {100 * (front + (1 - front) * outside):.1f} % of the server's CPU")
 
 
 if __name__ == "__main__":

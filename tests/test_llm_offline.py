@@ -156,3 +156,37 @@ def test_block_size_defaults_per_device(llm):
     assert first[0].num_cached_tokens == 0 and again[0].num_cached_tokens == 128
     assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
     assert_no_leak(llm)
+
+
+def test_busy_and_forward_seconds_count_steps_not_idle_waits(llm):
+    """engine_busy_seconds / model_forward_seconds: the forward is part of the busy time, and a wait
+    with nothing in flight (here after an abort) is not busy time."""
+    import time
+
+    from pagedserve.engine.messages import EngineCoreRequest
+
+    engine = llm.engine
+    before = engine.get_stats()
+    stepped = 0.0
+
+    def step() -> None:
+        nonlocal stepped
+        start = time.perf_counter()
+        engine.step()
+        stepped += time.perf_counter() - start
+
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    engine.add_request(EngineCoreRequest("busy-1", list(range(5, 21)), params, time.monotonic()))
+    for _ in range(3):
+        step()
+    engine.abort_requests(["busy-1"])
+    time.sleep(1.0)
+    engine.add_request(EngineCoreRequest("busy-2", list(range(5, 21)), SamplingParams(max_tokens=3), time.monotonic()))
+    while engine.has_unfinished_requests():
+        step()
+    after = engine.get_stats()
+    busy = after.busy_seconds - before.busy_seconds
+    forward = after.model_forward_seconds - before.model_forward_seconds
+    assert 0 < forward <= busy
+    assert busy < stepped + 0.5  # the steps (back to back) and not the one-second wait
+    assert_no_leak(llm)

@@ -115,7 +115,7 @@ def run_step(loaded, kv_caches, token_ids, num_computed, num_new, tables) -> tor
     meta = build_attention_metadata(num_computed, num_new, tables, BLOCK_SIZE)
     positions = torch.tensor([p for c, n in zip(num_computed, num_new) for p in range(c, c + n)])
     hidden = loaded.model(torch.tensor(token_ids), positions, kv_caches, meta)  # [num_tokens, hidden]
-    return loaded.model.compute_logits(hidden)
+    return loaded.model.compute_logits(hidden).float()
 
 
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:

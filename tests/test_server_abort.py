@@ -60,6 +60,8 @@ def test_metrics_names_and_counts(server, client):
     assert delta(f"pagedserve:e2e_request_latency_seconds_count{LABEL}") == 3
     assert delta(f"pagedserve:inter_token_latency_seconds_count{LABEL}") == 3 * 4
     assert delta(f"pagedserve:prompt_tokens_total{LABEL}") > 0
+    busy, forward = delta(f"pagedserve:engine_busy_seconds_total{LABEL}"), delta(f"pagedserve:model_forward_seconds_total{LABEL}")
+    assert 0 < forward <= busy  # the forward is part of the busy time, never more
 
 
 def test_streaming_disconnects_free_everything(server):

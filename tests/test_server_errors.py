@@ -177,6 +177,50 @@ def test_oversized_and_too_many_headers(server):
     assert response.status_code == 431
 
 
+def _raw_exchange(server, pieces: list[bytes]) -> bytes:
+    """Send ``pieces`` one write at a time on a fresh connection; return what the server answered
+    until it closed the connection or went quiet (a refused connection may reset instead)."""
+    received = b""
+    with socket.create_connection((server.host, server.port), timeout=30) as sock:
+        try:
+            for piece in pieces:
+                sock.sendall(piece)
+            sock.settimeout(10)
+            while chunk := sock.recv(65536):
+                received += chunk
+        except (ConnectionResetError, BrokenPipeError, TimeoutError):
+            pass
+    return received
+
+
+def _head(extra_header: str = "", path: str = "/v1/models") -> bytes:
+    return (f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n{extra_header}"
+            "Connection: close\r\n\r\n").encode()
+
+
+def test_request_head_limit_is_exact_and_holds_for_trickled_heads(server):
+    """--max-header-bytes (64 KiB here) bounds the request line plus headers whether the head comes in
+    one write or a trickle; a head under it is served, a never-ending header value is cut off."""
+    under = _raw_exchange(server, [_head(f"X-Pad: {'a' * (60 << 10)}\r\n")])
+    assert under.startswith(b"HTTP/1.1 200"), under[:100]
+    over = _head(f"X-Pad: {'a' * (70 << 10)}\r\n")
+    trickled = _raw_exchange(server, [over[i:i + 4096] for i in range(0, len(over), 4096)])
+    assert trickled == b"" or trickled.startswith(b"HTTP/1.1 431"), trickled[:100]
+    many = _head("".join(f"X-H{i}: {'b' * 1000}\r\n" for i in range(70)))  # each header small, 70 KB in all
+    assert _raw_exchange(server, [many]).startswith(b"HTTP/1.1 431")
+    # one header value that never ends: refused after the limit, not buffered for ever
+    endless = [f"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Endless: ".encode()] + [b"c" * 8192] * 64
+    answer = _raw_exchange(server, endless)
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 431"), answer[:100]
+    assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
+def test_pipelined_requests_on_one_connection_are_all_answered(server):
+    keep = (f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n\r\n").encode()
+    answer = _raw_exchange(server, [keep * 3 + _head()])
+    assert answer.count(b"HTTP/1.1 200") == 4, answer[:300]
+
+
 def test_chunked_body_over_limit_is_counted(server):
     def body():
         yield b'{"prompt": "'

@@ -27,7 +27,8 @@ def limited():
     args = ["--max-num-seqs", "2", "--max-queued-requests", "2", "--rate-limit", f"{RATE}/minute",
             "--api-key", KEY_BURST, "--api-key", KEY_RATE, "--allowed-origins", f'["{ORIGIN}"]',
             "--request-timeout", str(TIMEOUT_S), "--shutdown-timeout", "60",
-            "--engine-core", "thread"]  # NOTE: the other servers run the default engine-core process
+            "--engine-core", "thread",  # NOTE: the other servers run the default engine-core process
+            "--event-loop", "asyncio", "--http", "h11"]  # and the defaults: uvloop, httptools
     with RemoteServer(args, env={"PAGEDSERVE_API_KEY": KEY_ENV}) as remote:
         yield remote
 

@@ -56,6 +56,10 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.kv_cache = KVCacheManager(num_blocks, block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        # wall seconds from one step's start to the next while requests were in flight (cumulative): the
+        # steps themselves and what the engine loop does between them (inputs, sending outputs)
+        self._busy_seconds = 0.0
+        self._busy_since: float | None = None
         self.runner = ModelRunner(
             loaded.model,
             num_layers=loaded.num_layers,
@@ -122,23 +126,45 @@ class LLMEngine:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+        self._close_busy_period()
 
     def stop_samples(self, samples: list[tuple[str, int]]) -> None:
         self.scheduler.stop_samples(samples)
+        self._close_busy_period()
+
+    def _close_busy_period(self) -> None:
+        """Requests removed between steps may leave the engine idle: the busy time ends now, not at
+        the next step (which may come after an idle wait)."""
+        if self._busy_since is not None and not self.scheduler.has_unfinished_requests():
+            self._busy_seconds += time.perf_counter() - self._busy_since
+            self._busy_since = None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[EngineCoreOutput]:
+        start = time.perf_counter()
+        if self._busy_since is not None:  # the engine had work since the last step began
+            self._busy_seconds += start - self._busy_since
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self._busy_since = None
             return []
         result = self.runner.execute_model(sched)
-        return self.scheduler.update_from_output(sched, result)
+        outputs = self.scheduler.update_from_output(sched, result)
+        if self.scheduler.has_unfinished_requests():
+            self._busy_since = start  # this step's time is counted when the next one starts
+        else:
+            self._busy_seconds += time.perf_counter() - start
+            self._busy_since = None
+        return outputs
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.get_stats()
+        stats = self.scheduler.get_stats()
+        stats.busy_seconds = self._busy_seconds
+        stats.model_forward_seconds = self.runner.forward_seconds
+        return stats
 
     def warmup(self, num_prompt_tokens: int = 32, num_output_tokens: int = 4) -> None:
         """Run a real prefill and a few decode steps (first-call costs), then forget them."""
@@ -150,6 +176,7 @@ class LLMEngine:
             self.step()
         self.kv_cache.pool.reset_prefix_cache()
         self.scheduler.reset_counters()
+        self._busy_seconds, self._busy_since, self.runner.forward_seconds = 0.0, None, 0.0
 
     def _generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed % (2**63))

@@ -54,6 +54,8 @@ class SchedulerStats:
     num_generation_tokens: int = 0
     num_steps: int = 0
     step_num_tokens: list[int] = field(default_factory=list)  # tokens per step since the last snapshot
+    busy_seconds: float = 0.0  # wall time with requests in flight, step start to step start (paged engine)
+    model_forward_seconds: float = 0.0  # of it, in the model forward and logits (paged engine)
 
 
 @dataclass(slots=True)

@@ -194,8 +194,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden_size]`` -> ``[n, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden_states).float()
+        """``[n, hidden_size]`` -> ``[n, vocab_size]`` logits in the model's dtype.
+
+        Not widened to float32 here: greedy rows take the argmax of the bf16 logits as they are
+        (widening is exact, so the order is the same), and the sampler widens only when it needs to.
+        """
+        return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors into the (fused) parameters; returns the names loaded.

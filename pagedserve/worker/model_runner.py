@@ -8,6 +8,8 @@ samples.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -45,6 +47,9 @@ class ModelRunner:
         batch_size_hint: int = 64,
     ) -> None:
         self.model = model
+        # wall seconds spent in the model forward and the logits, cumulative (pagedserve:model_forward_seconds).
+        # NOTE: on CUDA the calls only launch kernels; their run time then lands in the sampler's host sync.
+        self.forward_seconds = 0.0
         self.device = device
         self.block_size = block_size
         self.kv_caches = [
@@ -82,7 +87,9 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [num_tokens]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [num_tokens]
+        start = time.perf_counter()
         hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
+        self.forward_seconds += time.perf_counter() - start
 
         sample_rows: list[int] = []  # flat token index of each sampled row
         rows: list[SamplingRow] = []
@@ -96,7 +103,10 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in items]
         logprobs: list[list[TokenLogprob] | None] = [None for _ in items]
         if rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])  # [rows, vocab]
+            last_hidden = hidden[torch.tensor(sample_rows, device=self.device)]  # [rows, hidden]
+            start = time.perf_counter()
+            logits = self.model.compute_logits(last_hidden)  # [rows, vocab]
+            self.forward_seconds += time.perf_counter() - start
             tokens, token_logprobs = self.sampler(logits, rows)
             for owner, token, logprob in zip(owners, tokens, token_logprobs):
                 sampled[owner].append(token)

@@ -12,6 +12,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -22,6 +23,7 @@ from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.core_client import EngineCoreClient
 from pagedserve.entrypoints.middleware import ServerState, parse_rate_limit
 from pagedserve.entrypoints.openai.api_server import ServerOptions, build_app
+from pagedserve.entrypoints.openai.http_protocol import http_protocol
 from pagedserve.entrypoints.openai.serving_engine import ServingConfig
 
 logger = logging.getLogger("pagedserve.server")
@@ -100,10 +102,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def serve_app(app: FastAPI, sock: socket.socket, shutdown_timeout: float, max_header_bytes: int,
-                    log_level: str = "info", access_log: bool = True) -> int:
+                    log_level: str = "info", access_log: bool = True, http: str = "auto") -> int:
     """Serve until SIGTERM/SIGINT (drained) or engine death; return the process exit code."""
     config = uvicorn.Config(
-        app, http="h11", lifespan="on", log_level=log_level, access_log=access_log,
+        app, http=http_protocol(http), lifespan="on", log_level=log_level, access_log=access_log,
         h11_max_incomplete_event_size=max_header_bytes, timeout_keep_alive=5,
         timeout_graceful_shutdown=max(1, int(min(shutdown_timeout, 5))), log_config=None,
     )
@@ -176,8 +178,26 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(engine, serving_config, options, model_dtype=getattr(core, "dtype", None))
     url = f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{sock.getsockname()[1]}"
     app.state.on_ready = functools.partial(_print_banner, url, info, names, options, time.perf_counter() - load_start)
-    return asyncio.run(serve_app(app, sock, args.shutdown_timeout, args.max_header_bytes, args.log_level,
-                                 not args.disable_access_log))
+    with asyncio.Runner(loop_factory=event_loop_factory(args.event_loop)) as runner:
+        return runner.run(serve_app(app, sock, args.shutdown_timeout, args.max_header_bytes, args.log_level,
+                                    not args.disable_access_log, args.http))
+
+
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """``--event-loop``: uvloop's loop (``auto``: when it is installed), or None for asyncio's own.
+
+    uvloop (libuv) schedules callbacks and writes to sockets in C: a streamed token costs the front
+    end less CPU than with asyncio's pure-Python selector loop, as in vLLM's and uvicorn's servers.
+    """
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise
+        return None
+    return uvloop.new_event_loop
 
 
 def _print_banner(url: str, info: Any, names: list[str], options: ServerOptions, load_s: float) -> None:
