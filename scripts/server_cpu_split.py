@@ -22,6 +22,10 @@ import urllib.request
 
 import psutil
 
+from pagedserve.bench.monitor import parse_prometheus
+
+ENGINE_METRICS = ("pagedserve:engine_busy_seconds_total", "pagedserve:model_forward_seconds_total")
+
 
 def cpu_seconds(proc: psutil.Process) -> float:
     times = proc.cpu_times()
@@ -40,14 +44,10 @@ def engine_seconds(url: str) -> tuple[float, float] | None:
             text = response.read().decode()
     except OSError:
         return None
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in ("pagedserve:engine_busy_seconds_total", "pagedserve:model_forward_seconds_total"):
-            values[name] = float(line.rsplit(" ", 1)[1])
-    if len(values) != 2:
+    values = parse_prometheus(text, ENGINE_METRICS)
+    if len(values) != len(ENGINE_METRICS):
         return None
-    return values["pagedserve:engine_busy_seconds_total"], values["pagedserve:model_forward_seconds_total"]
+    return values[ENGINE_METRICS[0]], values[ENGINE_METRICS[1]]
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from pagedserve.models.layers import AMX_LINEAR_MAX_ROWS, Linear
 from pagedserve.worker.cpu_fast_paths import can_pack_linear_weights
 from pagedserve.worker.cpu_kernels import load_cpu_kernels
+from tests.utils import assert_bf16_close
 
 BF16 = torch.bfloat16
 
@@ -23,10 +24,7 @@ def kernels():
 
 
 def assert_one_rounding_apart(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """Equal up to float32 summation order: at most one bf16 rounding step apart, and rarely."""
-    assert out.dtype == ref.dtype == BF16 and out.shape == ref.shape
-    torch.testing.assert_close(out.float(), ref.float(), atol=1e-5, rtol=2**-7)
-    assert (out != ref).float().mean() < 0.02
+    assert_bf16_close(out, ref, atol=1e-5, max_mismatch=0.02)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 16, 31, 33, 64, 100, 192, 300])

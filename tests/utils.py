@@ -1,4 +1,5 @@
-"""Test helpers: ``RemoteServer`` runs ``pagedserve serve`` as a real subprocess on a free local port."""
+"""Test helpers: ``RemoteServer`` runs ``pagedserve serve`` as a real subprocess on a free local port;
+``assert_bf16_close`` compares a bf16 kernel's output with PyTorch's."""
 
 from __future__ import annotations
 
@@ -11,8 +12,17 @@ import tempfile
 import time
 
 import httpx
+import torch
 
 DEFAULT_START_TIMEOUT_S = 240.0  # model load + warm-up take ~30-60 s on 2 cores; generous for busy CI
+
+
+def assert_bf16_close(out: torch.Tensor, ref: torch.Tensor, *, atol: float, max_mismatch: float) -> None:
+    """Equal up to float32 summation order: at most one bf16 rounding step apart (rtol 2^-7), and on
+    at most ``max_mismatch`` of the elements."""
+    assert out.dtype == ref.dtype == torch.bfloat16 and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=2**-7)
+    assert (out != ref).float().mean() < max_mismatch
 
 
 def free_port() -> int:
