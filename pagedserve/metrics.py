@@ -63,6 +63,11 @@ class _EngineStateCollector:
              stats.busy_seconds),
             ("model_forward_seconds", "Wall seconds of engine_busy_seconds spent in the model forward pass and logits.",
              stats.model_forward_seconds),
+            ("model_forward_cpu_seconds", "CPU seconds the engine core's process (all its threads) used during the model "
+             "forward pass and logits; with --engine-core thread that process is the front end's too.",
+             stats.model_forward_cpu_seconds),
+            ("engine_core_cpu_seconds", "CPU seconds of the engine core's process (all its threads); with "
+             "--engine-core thread that process is the front end's too.", stats.engine_cpu_seconds),
         ):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             counter.add_metric(value, number)

@@ -16,7 +16,7 @@ import pytest
 
 from pagedserve.bench import cli
 from pagedserve.bench.datasets import WORKLOADS, PromptFactory, RequestSource, encode
-from pagedserve.bench.metrics import parse_slo, stats_ms, summarize
+from pagedserve.bench.metrics import parse_slo, stats_ms, summarize, tokens_streamed_after
 from pagedserve.bench.monitor import parse_prometheus
 from pagedserve.bench.report import build_summary, terminal_report, write_outputs
 from pagedserve.bench.request_funcs import (
@@ -345,6 +345,8 @@ def test_cli_parsing():
         Target.parse("http://h:1,colour=blue")
     bad = parser.parse_args(["--workload", "nope"])
     assert cli.main(bad) == 2
+    assert cli.main(parser.parse_args(["--warmup-duration", "5"])) == 2  # a warm-up needs a --duration window
+    assert cli.main(parser.parse_args(["--duration", "5", "--warmup-duration", "-1"])) == 2
 
 
 # ---- against a real pagedserve server ---------------------------------------------------------
@@ -494,6 +496,36 @@ def test_duration_window_cuts_off_running_requests(factory):
     assert record["incomplete_output_tokens"] > 0
     assert record["output_throughput"] == pytest.approx(record["incomplete_output_tokens"] / record["duration_s"])
     assert len(results[0].warmup_outputs) == 1 and results[0].warmup_outputs[0].output_tokens == 16
+
+
+def test_tokens_streamed_after_a_boundary():
+    out = RequestFuncOutput(start_time=-1.0, ttft=0.5, itl=[0.2] * 5, output_tokens=6)  # chunks at -0.5 .. 0.5
+    assert tokens_streamed_after(out, 0.0) == 3
+    assert tokens_streamed_after(out, -10.0) == 6 and tokens_streamed_after(out, 10.0) == 0
+    out.output_tokens = 12  # two tokens per chunk
+    assert tokens_streamed_after(out, 0.0) == 6
+    assert tokens_streamed_after(RequestFuncOutput(start_time=5.0, ttft=0.0, output_tokens=3), 0.0) == 0  # no token
+
+
+def test_warmup_duration_measures_the_steady_state_only(factory):
+    """--warmup-duration: the load runs first, only requests sent after it are measured, and the
+    tokens that warm-up requests stream inside the window count in the throughput."""
+    options = BenchOptions(num_prompts=None, duration=0.6, warmup_duration=0.5, drain_timeout=0.0, num_warmups=0,
+                           progress=False, memory_interval=0.1)
+    results, _ = asyncio.run(run_sweep([Target.parse("http://fake")], ["short"], [LoadPoint(concurrency=2)], options,
+                                       factory, 7, {"output_len_override": 30}, transport=_fake_server(delay=0.01)))
+    result = results[0]
+    record = result.record
+    assert 0.55 < record["duration_s"] < 5.0  # the window, not the warm-up before it
+    assert result.outputs and all(o.start_time >= 0 for o in result.outputs)
+    assert result.warmup_outputs and all(o.start_time < 0 for o in result.warmup_outputs)
+    # warm-up requests are the real load: full length, not capped like --num-warmups requests
+    assert any(o.output_tokens == 30 for o in result.warmup_outputs)
+    carried = sum(tokens_streamed_after(o, 0.0) for o in result.warmup_outputs)
+    assert record["warmup_carried_output_tokens"] == carried > 0
+    delivered = record["total_output_tokens"] + record["incomplete_output_tokens"] + carried
+    assert record["output_throughput"] == pytest.approx(delivered / record["duration_s"])
+    assert record["num_memory_samples"] >= 1 and record["kv_efficiency"] == pytest.approx(1.0)
 
 
 def test_duration_window_counts_what_finished(factory):

@@ -189,4 +189,7 @@ def test_busy_and_forward_seconds_count_steps_not_idle_waits(llm):
     forward = after.model_forward_seconds - before.model_forward_seconds
     assert 0 < forward <= busy
     assert busy < stepped + 0.5  # the steps (back to back) and not the one-second wait
+    # the process's CPU time during the forwards is part of all the CPU time it used meanwhile
+    forward_cpu = after.model_forward_cpu_seconds - before.model_forward_cpu_seconds
+    assert 0 < forward_cpu <= after.engine_cpu_seconds - before.engine_cpu_seconds
     assert_no_leak(llm)

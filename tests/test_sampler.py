@@ -67,9 +67,16 @@ def test_argmax_kernel_matches_torch_max(dtype):
     if kernels is None:
         pytest.skip("the C++ kernels could not be built on this machine")
     torch.manual_seed(0)
-    for vocab in (1, 7, 16, 17, 49152, 49153):
+    for vocab in (1, 7, 16, 17, 63, 64, 65, 127, 200, 49152, 49153):
         logits = torch.randn(9, vocab + 5).to(dtype)[:, :vocab]  # rows further apart than the vocab
         assert torch.equal(kernels.argmax_rows(logits), logits.max(dim=-1).indices), vocab
+        few_values = torch.randint(0, 3, (9, vocab)).to(dtype)  # many equal maxima in every lane and chain
+        assert torch.equal(kernels.argmax_rows(few_values), few_values.max(dim=-1).indices), vocab
+    late = torch.zeros(3, 300, dtype=dtype)
+    late[0, [70, 20]] = 1.0  # the later block's lane and the earlier one's: the first index wins
+    late[1, 250] = float("nan")  # a NaN only in a later 64-wide block
+    late[2, 299] = float("nan")  # a NaN only in the tail after the blocks
+    assert kernels.argmax_rows(late).tolist() == [20, 250, 299]
     ties = torch.zeros(4, 100, dtype=dtype)
     ties[0, [3, 40, 99]] = 2.0  # equal maxima in different lanes and in the tail: the first wins
     ties[1, [17, 33]] = 1.0

@@ -62,6 +62,8 @@ def test_metrics_names_and_counts(server, client):
     assert delta(f"pagedserve:prompt_tokens_total{LABEL}") > 0
     busy, forward = delta(f"pagedserve:engine_busy_seconds_total{LABEL}"), delta(f"pagedserve:model_forward_seconds_total{LABEL}")
     assert 0 < forward <= busy  # the forward is part of the busy time, never more
+    forward_cpu = delta(f"pagedserve:model_forward_cpu_seconds_total{LABEL}")
+    assert 0 < forward_cpu <= delta(f"pagedserve:engine_core_cpu_seconds_total{LABEL}")  # CPU of the core's process
 
 
 def test_streaming_disconnects_free_everything(server):

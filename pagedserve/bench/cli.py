@@ -70,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "are cut off and reported as incomplete (default: wait for all)")
     load.add_argument("--num-warmups", type=int, default=1, help="uncounted requests per point before measuring")
     load.add_argument("--warmup-output-len", type=int, default=16, help="cap on warm-up output tokens (0: no cap)")
+    load.add_argument("--warmup-duration", type=float, default=0.0,
+                      help="with --duration: run the load this many seconds before the measured window opens (the "
+                           "articles' first two minutes of ten); requests sent meanwhile are not measured, the tokens "
+                           "they stream inside the window count in the throughput, memory/KV sampling starts with it")
     load.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
 
     measure = parser.add_argument_group("measurement and output")
@@ -123,6 +127,7 @@ def _settings(args: argparse.Namespace, workloads: list[str], points: list[LoadP
         "num_prompts": args.num_prompts,
         "duration": args.duration,
         "drain_timeout": None if math.isinf(args.drain_timeout) else args.drain_timeout,
+        "warmup_duration": args.warmup_duration or None,
         "num_warmups": args.num_warmups,
         "ignore_eos": args.ignore_eos,
         "temperature": args.temperature,
@@ -155,6 +160,8 @@ def main(args: argparse.Namespace) -> int:
             if workload not in WORKLOAD_NAMES:
                 raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOAD_NAMES)}")
         points = build_points(args)
+        if args.warmup_duration < 0 or (args.warmup_duration and not args.duration):
+            raise ValueError("--warmup-duration needs --duration and must not be negative")
         targets = build_targets(args.target)
         slos = parse_slo(args.slo)
     except ValueError as exc:
@@ -169,6 +176,7 @@ def main(args: argparse.Namespace) -> int:
         price_per_hour=args.price_per_hour, memory_interval=args.memory_interval, server_pid=args.server_pid,
         request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
         warmup_output_len=args.warmup_output_len or None, progress=not args.no_progress and sys.stderr.isatty(),
+        warmup_duration=args.warmup_duration,
     )
     print("loading tokenizer ...", file=sys.stderr, flush=True)
     factory = PromptFactory(load_tokenizer(args.tokenizer), args.endpoint)

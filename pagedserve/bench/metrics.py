@@ -83,14 +83,33 @@ def failure_reasons(outputs: list[RequestFuncOutput]) -> tuple[dict[str, int], d
     return dict(counts.most_common()), examples
 
 
+def tokens_streamed_after(output: RequestFuncOutput, boundary: float) -> int:
+    """How many of a request's output tokens arrived at or after ``boundary`` (the clock of ``start_time``).
+
+    Chunk arrival times are rebuilt from the first-token time and the inter-chunk gaps; a chunk's
+    tokens are its share of ``output_tokens`` (one token per chunk when the server streams each).
+    """
+    if output.ttft <= 0 or output.output_tokens <= 0:
+        return 0
+    arrival = output.start_time + output.ttft
+    after = int(arrival >= boundary)
+    for gap in output.itl:
+        arrival += gap
+        after += arrival >= boundary
+    return round(output.output_tokens * after / (1 + len(output.itl)))
+
+
 def summarize(
-    outputs: list[RequestFuncOutput], duration_s: float, slos: dict[str, float] | None = None
+    outputs: list[RequestFuncOutput], duration_s: float, slos: dict[str, float] | None = None,
+    carried_output_tokens: int = 0,
 ) -> dict[str, Any]:
     """Aggregate metrics of one benchmark point (the fields of summary.json except identity and memory).
 
     Requests cut off at the end of a ``--duration`` window count as ``incomplete``: neither
     completed nor failed and not in the latency figures, but the tokens they streamed inside
     the window count in the token throughputs (tokens delivered per second of the window).
+    ``carried_output_tokens`` are those streamed inside the window by requests sent before it
+    opened (``--warmup-duration``): in the throughputs too, not in the latencies.
     """
     cut = [o for o in outputs if o.error_reason == INCOMPLETE]
     outputs = [o for o in outputs if o.error_reason != INCOMPLETE]
@@ -112,9 +131,11 @@ def summarize(
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
         "incomplete_output_tokens": cut_output,
+        "warmup_carried_output_tokens": carried_output_tokens,
         "request_throughput": len(done) / duration_s,
-        "output_throughput": (total_output + cut_output) / duration_s,
-        "total_token_throughput": (total_input + total_output + cut_input + cut_output) / duration_s,
+        "output_throughput": (total_output + cut_output + carried_output_tokens) / duration_s,
+        "total_token_throughput": (total_input + total_output + cut_input + cut_output + carried_output_tokens)
+        / duration_s,
         "ttft_ms": stats_ms([o.ttft for o in done]),
         "tpot_ms": stats_ms(tpots),
         "itl_ms": stats_ms(itls),

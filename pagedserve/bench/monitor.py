@@ -95,7 +95,13 @@ class ServerMonitor:
                 self.kv.append(values[name])
                 break
 
-    async def _run(self) -> None:
+    async def _run(self, delay: float) -> None:
+        if delay > 0:
+            try:
+                await asyncio.wait_for(self._stopping.wait(), delay)
+                return
+            except asyncio.TimeoutError:
+                pass
         while not self._stopping.is_set():
             await self.sample()
             try:
@@ -103,8 +109,9 @@ class ServerMonitor:
             except asyncio.TimeoutError:
                 pass
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+    def start(self, delay: float = 0.0) -> None:
+        """Sample every ``interval`` seconds, the first after ``delay`` (the end of a steady-state warm-up)."""
+        self._task = asyncio.create_task(self._run(delay))
 
     async def stop(self) -> None:
         self._stopping.set()

@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 
 from pagedserve.bench.datasets import PromptFactory, RequestSource, SampleRequest
-from pagedserve.bench.metrics import cost_per_1k_output_tokens, fill_token_counts, summarize
+from pagedserve.bench.metrics import cost_per_1k_output_tokens, fill_token_counts, summarize, tokens_streamed_after
 from pagedserve.bench.monitor import ServerMonitor
 from pagedserve.bench.request_funcs import (
     ENDPOINT_PATHS,
@@ -114,6 +114,8 @@ class BenchOptions:
     request_timeout: float = 3600.0
     drain_timeout: float = math.inf  # after --duration: how long in-flight requests may finish
     warmup_output_len: int | None = 16  # cap on warm-up outputs (they only warm the server up)
+    # with duration: seconds the load runs before the measured window opens (the articles' steady state)
+    warmup_duration: float = 0.0
     progress: bool = True
 
 
@@ -290,26 +292,33 @@ async def run_point(
     feed = _Feed(source, options.num_prompts, options.duration)
     progress = _progress_bar(options, f"{target.name} {workload} {point.label}")
     outputs: list[RequestFuncOutput] = []
+    steady_warmup: list[RequestFuncOutput] = []  # sent under load before the window opened
+    warmup_s = options.warmup_duration if options.duration else 0.0
+    opens = math.inf  # perf_counter when the measured window opens
 
     async def send(sample: SampleRequest, scheduled: float | None) -> RequestFuncOutput:
-        outputs.append(RequestFuncOutput())  # NOTE: registered first, so a cut-off request is still counted
-        output = await async_request_openai(client, make_input(sample, False), scheduled, outputs[-1])
-        if progress is not None:
+        kept = outputs if time.perf_counter() >= opens else steady_warmup
+        output = RequestFuncOutput()
+        kept.append(output)  # NOTE: registered first, so a cut-off request is still counted
+        await async_request_openai(client, make_input(sample, False), scheduled, output)
+        if progress is not None and kept is outputs:
             progress.update(1)
         return output
 
     monitor = ServerMonitor(client, target.url("/metrics"), target.pid or options.server_pid, options.memory_interval)
-    await monitor.sample()
-    monitor.start()
     start = time.perf_counter()
-    feed.start(start)
+    opens = start + warmup_s
+    if not warmup_s:
+        await monitor.sample()
+    monitor.start(delay=warmup_s)
+    feed.start(opens)
     if point.is_open:
         measured = asyncio.create_task(_open_loop(feed, point, seed, send))
     else:
         measured = asyncio.create_task(_closed_loop(feed, point.concurrency or 1, send))
     window = None
     if options.duration and not math.isinf(options.drain_timeout):
-        window = options.duration + options.drain_timeout
+        window = warmup_s + options.duration + options.drain_timeout
     done, _ = await asyncio.wait({measured}, timeout=window)
     if done:
         measured.result()
@@ -317,16 +326,18 @@ async def run_point(
         measured.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await measured
-    duration = time.perf_counter() - start
+    duration = time.perf_counter() - opens
     await monitor.stop()
     if progress is not None:
         progress.close()
-    for output in outputs + warmup_outputs:
-        output.start_time -= start
+    for output in outputs + steady_warmup + warmup_outputs:
+        output.start_time -= opens
         if output.scheduled_time is not None:
-            output.scheduled_time -= start
-    fill_token_counts(outputs, tokenizer)
-    record = _record(target, model, workload, point, seed, outputs, duration, monitor, options)
+            output.scheduled_time -= opens
+    fill_token_counts(outputs + steady_warmup, tokenizer)
+    carried = sum(tokens_streamed_after(output, 0.0) for output in steady_warmup)
+    warmup_outputs.extend(steady_warmup)
+    record = _record(target, model, workload, point, seed, outputs, duration, monitor, options, carried)
     return PointResult(target, workload, point, seed, outputs, warmup_outputs, record)
 
 
@@ -340,6 +351,7 @@ def _record(
     duration: float,
     monitor: ServerMonitor,
     options: BenchOptions,
+    carried_output_tokens: int = 0,
 ) -> dict[str, Any]:
     record: dict[str, Any] = {
         "target": target.name,
@@ -353,12 +365,13 @@ def _record(
         "seed": seed,
         "num_requests": len(outputs),
     }
-    record.update(summarize(outputs, duration, options.slos))
+    record.update(summarize(outputs, duration, options.slos, carried_output_tokens))
     record.update(monitor.summary())
     record["price_per_hour"] = options.price_per_hour
     record["cost_per_1k_output_tokens"] = cost_per_1k_output_tokens(
         # NOTE: the tokens the window produced, as in output_throughput (cut-off requests included)
-        options.price_per_hour, record["duration_s"], record["total_output_tokens"] + record.get("incomplete_output_tokens", 0)
+        options.price_per_hour, record["duration_s"],
+        record["total_output_tokens"] + record["incomplete_output_tokens"] + record["warmup_carried_output_tokens"],
     )
     return record
 

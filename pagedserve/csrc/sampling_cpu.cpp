@@ -31,38 +31,58 @@ int64_t argmax_row_scalar(const scalar_t* row, int64_t begin, int64_t end, int64
 inline __m512 load16(const at::BFloat16* p) { return pagedserve::load_bf16x16(p); }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
-// 16 lanes each keep their running maximum and its first index; ties across lanes go to the
-// smaller index. A NaN anywhere hands the row to the scalar scan, which stops at the first one.
+// Four independent sets of 16 lanes (so the compare-and-select chains overlap) each keep their
+// running maximum and its first index; ties across lanes go to the smaller index. A NaN anywhere
+// hands the row to the scalar scan, which stops at the first one.
+constexpr int64_t kLanes = 16, kChains = 4;
+
+inline void keep_greater(__m512& best, __m512i& best_index, __m512 v, __m512i index) {
+  const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+  best = _mm512_mask_mov_ps(best, greater, v);
+  best_index = _mm512_mask_mov_epi32(best_index, greater, index);
+}
+
 template <typename scalar_t>
 int64_t argmax_row(const scalar_t* row, int64_t vocab) {
-  const int64_t vec_end = vocab - vocab % 16;
-  if (vec_end == 0) return argmax_row_scalar(row, 0, vocab, -1, 0.f);
-  __m512 best = load16(row);
-  if (_mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q)) return argmax_row_scalar(row, 0, vocab, -1, 0.f);
-  const __m512i step = _mm512_set1_epi32(16);
-  __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512i best_index = index;
-  for (int64_t i = 16; i < vec_end; i += 16) {
-    const __m512 v = load16(row + i);
-    index = _mm512_add_epi32(index, step);
-    if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) return argmax_row_scalar(row, 0, vocab, -1, 0.f);
-    const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-    best = _mm512_mask_mov_ps(best, greater, v);
-    best_index = _mm512_mask_mov_epi32(best_index, greater, index);
+  constexpr int64_t kBlock = kLanes * kChains;
+  const int64_t block_end = vocab - vocab % kBlock;
+  if (block_end == 0) return argmax_row_scalar(row, 0, vocab, -1, 0.f);
+  __m512 best[kChains];
+  __m512i best_index[kChains];
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __mmask16 nan = 0;
+  for (int64_t c = 0; c < kChains; ++c) {
+    best[c] = load16(row + c * kLanes);
+    best_index[c] = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(c * kLanes)));
+    nan |= _mm512_cmp_ps_mask(best[c], best[c], _CMP_UNORD_Q);
   }
-  alignas(64) float values[16];
-  alignas(64) int32_t indices[16];
-  _mm512_store_ps(values, best);
-  _mm512_store_si512(indices, best_index);
-  int64_t winner = indices[0];
-  float winner_value = values[0];
-  for (int lane = 1; lane < 16; ++lane) {
-    if (values[lane] > winner_value || (values[lane] == winner_value && indices[lane] < winner)) {
-      winner_value = values[lane];
-      winner = indices[lane];
+  for (int64_t i = kBlock; i < block_end; i += kBlock) {
+    for (int64_t c = 0; c < kChains; ++c) {
+      const __m512 v = load16(row + i + c * kLanes);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      keep_greater(best[c], best_index[c], v, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(i + c * kLanes))));
+    }
+    if (nan) return argmax_row_scalar(row, 0, vocab, -1, 0.f);
+  }
+  if (nan) return argmax_row_scalar(row, 0, vocab, -1, 0.f);
+  alignas(64) float values[kChains][kLanes];
+  alignas(64) int32_t indices[kChains][kLanes];
+  for (int64_t c = 0; c < kChains; ++c) {
+    _mm512_store_ps(values[c], best[c]);
+    _mm512_store_si512(indices[c], best_index[c]);
+  }
+  int64_t winner = indices[0][0];
+  float winner_value = values[0][0];
+  for (int64_t c = 0; c < kChains; ++c) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float value = values[c][l];
+      if (value > winner_value || (value == winner_value && indices[c][l] < winner)) {
+        winner_value = value;
+        winner = indices[c][l];
+      }
     }
   }
-  return argmax_row_scalar(row, vec_end, vocab, winner, winner_value);
+  return argmax_row_scalar(row, block_end, vocab, winner, winner_value);
 }
 #else
 template <typename scalar_t>

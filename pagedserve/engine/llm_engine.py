@@ -164,6 +164,8 @@ class LLMEngine:
         stats = self.scheduler.get_stats()
         stats.busy_seconds = self._busy_seconds
         stats.model_forward_seconds = self.runner.forward_seconds
+        stats.model_forward_cpu_seconds = self.runner.forward_cpu_seconds
+        stats.engine_cpu_seconds = time.process_time()
         return stats
 
     def warmup(self, num_prompt_tokens: int = 32, num_output_tokens: int = 4) -> None:
@@ -177,6 +179,7 @@ class LLMEngine:
         self.kv_cache.pool.reset_prefix_cache()
         self.scheduler.reset_counters()
         self._busy_seconds, self._busy_since, self.runner.forward_seconds = 0.0, None, 0.0
+        self.runner.forward_cpu_seconds = 0.0
 
     def _generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed % (2**63))

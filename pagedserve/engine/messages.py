@@ -56,6 +56,8 @@ class SchedulerStats:
     step_num_tokens: list[int] = field(default_factory=list)  # tokens per step since the last snapshot
     busy_seconds: float = 0.0  # wall time with requests in flight, step start to step start (paged engine)
     model_forward_seconds: float = 0.0  # of it, in the model forward and logits (paged engine)
+    model_forward_cpu_seconds: float = 0.0  # CPU time of the engine's process meanwhile, all threads (paged engine)
+    engine_cpu_seconds: float = 0.0  # CPU time of the process the engine runs in, all threads (paged engine)
 
 
 @dataclass(slots=True)

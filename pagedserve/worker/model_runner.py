@@ -50,6 +50,9 @@ class ModelRunner:
         # wall seconds spent in the model forward and the logits, cumulative (pagedserve:model_forward_seconds).
         # NOTE: on CUDA the calls only launch kernels; their run time then lands in the sampler's host sync.
         self.forward_seconds = 0.0
+        # CPU seconds this process (all its threads: the matmul workers too) used meanwhile
+        # (pagedserve:model_forward_cpu_seconds); what it used outside them is the serving overhead.
+        self.forward_cpu_seconds = 0.0
         self.device = device
         self.block_size = block_size
         self.kv_caches = [
@@ -87,9 +90,10 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [num_tokens]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [num_tokens]
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
         self.forward_seconds += time.perf_counter() - start
+        self.forward_cpu_seconds += time.process_time() - start_cpu
 
         sample_rows: list[int] = []  # flat token index of each sampled row
         rows: list[SamplingRow] = []
@@ -103,10 +107,14 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in items]
         logprobs: list[list[TokenLogprob] | None] = [None for _ in items]
         if rows:
-            last_hidden = hidden[torch.tensor(sample_rows, device=self.device)]  # [rows, hidden]
-            start = time.perf_counter()
+            if len(sample_rows) == hidden.shape[0] and sample_rows == list(range(len(sample_rows))):
+                last_hidden = hidden  # a pure decode step: every token is sampled once, in order
+            else:
+                last_hidden = hidden[torch.tensor(sample_rows, device=self.device)]  # [rows, hidden]
+            start, start_cpu = time.perf_counter(), time.process_time()
             logits = self.model.compute_logits(last_hidden)  # [rows, vocab]
             self.forward_seconds += time.perf_counter() - start
+            self.forward_cpu_seconds += time.process_time() - start_cpu
             tokens, token_logprobs = self.sampler(logits, rows)
             for owner, token, logprob in zip(owners, tokens, token_logprobs):
                 sampled[owner].append(token)

@@ -13,16 +13,14 @@ from pagedserve.engine.core_client import EngineDeadError
 from pagedserve.entrypoints.openai.errors import APIError, bad_request, json_response
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedserve.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     OpenAIServing,
     PreparedPrompt,
     clamp_logprob,
     random_id,
-    sse,
     timeout_error,
     usage,
 )
-from pagedserve.entrypoints.openai.sse import SSEResponse
+from pagedserve.entrypoints.openai.sse import SSE_DONE, TEXT_MARK, SSEResponse, SSETemplate, sse
 from pagedserve.outputs import TokenLogprob
 from pagedserve.sampling_params import SamplingParams
 
@@ -142,6 +140,7 @@ class OpenAIServingChat(OpenAIServing):
         num_generated = 0
         num_cached = 0
         echo = self._echo_text(request)
+        plain_events: dict[int, SSETemplate] = {}  # per choice index: a content delta, nothing else
         try:
             for index in range(request.n):
                 yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -157,6 +156,14 @@ class OpenAIServingChat(OpenAIServing):
                         finish = completion.finish_reason
                         has_logprobs = num_top is not None and completion.token_ids
                         if not completion.text and finish is None and not has_logprobs:
+                            continue
+                        if finish is None and num_top is None and not continuous:
+                            template = plain_events.get(completion.index)
+                            if template is None:
+                                template = plain_events[completion.index] = SSETemplate({**head, "choices": [{
+                                    "index": completion.index, "delta": {"content": TEXT_MARK}, "logprobs": None,
+                                    "finish_reason": None}]})
+                            yield template.render(completion.text)
                             continue
                         choice = {
                             "index": completion.index,

@@ -13,16 +13,14 @@ from pagedserve.engine.core_client import EngineDeadError
 from pagedserve.entrypoints.openai.errors import APIError, bad_request, json_response
 from pagedserve.entrypoints.openai.protocol import CompletionRequest
 from pagedserve.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     OpenAIServing,
     PreparedPrompt,
     clamp_logprob,
     random_id,
-    sse,
     timeout_error,
     usage,
 )
-from pagedserve.entrypoints.openai.sse import SSEResponse, merge_async_iterators
+from pagedserve.entrypoints.openai.sse import SSE_DONE, TEXT_MARK, SSEResponse, SSETemplate, merge_async_iterators, sse
 from pagedserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pagedserve.sampling_params import SamplingParams
 
@@ -170,6 +168,13 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = include_usage and bool(request.stream_options.continuous_usage_stats)
+        head = {"id": request_id, "object": "text_completion", "created": created, "model": model_name}
+        plain_events: dict[int, SSETemplate] = {}  # per choice index: a text delta, nothing else
+
+        def chunk(index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason: object) -> dict:
+            return {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                         "finish_reason": finish_reason, "stop_reason": stop_reason}]}
+
         try:
             async with asyncio.timeout(self.config.request_timeout):
                 async for prompt_index, output in merge_async_iterators(*streams):
@@ -189,20 +194,19 @@ class OpenAIServingCompletion(OpenAIServing):
                             logprobs = self.completion_logprobs(completion.token_ids, completion.logprobs,
                                                                 request.logprobs, offsets.get(index, 0))
                         offsets[index] = offsets.get(index, 0) + len(completion.text)
-                        chunk = {
-                            "id": request_id, "object": "text_completion", "created": created, "model": model_name,
-                            "choices": [{
-                                "index": index, "text": text, "logprobs": logprobs,
-                                "finish_reason": completion.finish_reason.value if completion.finish_reason else None,
-                                "stop_reason": completion.stop_reason,
-                            }],
-                        }
+                        finish = completion.finish_reason
+                        if logprobs is None and finish is None and completion.stop_reason is None and not continuous:
+                            template = plain_events.get(index)
+                            if template is None:
+                                template = plain_events[index] = SSETemplate(chunk(index, TEXT_MARK, None, None, None))
+                            yield template.render(text)
+                            continue
+                        event = chunk(index, text, logprobs, finish.value if finish else None, completion.stop_reason)
                         if continuous:
-                            chunk["usage"] = usage(num_prompt_tokens, sum(num_generated), None)
-                        yield sse(chunk)
+                            event["usage"] = usage(num_prompt_tokens, sum(num_generated), None)
+                        yield sse(event)
             if include_usage:
-                yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model_name,
-                           "choices": [], "usage": usage(num_prompt_tokens, sum(num_generated), sum(num_cached))})
+                yield sse({**head, "choices": [], "usage": usage(num_prompt_tokens, sum(num_generated), sum(num_cached))})
         except TimeoutError:
             yield sse(timeout_error(self.config.request_timeout).openai_body())
         except EngineDeadError as exc:

@@ -5,7 +5,6 @@ validation, admission control, logprob formatting, timeouts) before a request re
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -83,13 +82,6 @@ class PreparedPrompt:
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def sse(data: dict) -> str:
-    return "data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")) + "\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
 
 
 class OpenAIServing:

@@ -1,14 +1,41 @@
-"""Server-sent events: a streaming response that always cleans up, and a merge of several streams."""
+"""Server-sent events: the framing, templates for text deltas, a streaming response that always
+cleans up, and a merge of several streams."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from json.encoder import encode_basestring as json_string  # a str as a JSON string, like json.dumps(ensure_ascii=False)
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_DONE = "data: [DONE]\n\n"
+TEXT_MARK = "\x00pagedserve:text\x00"  # stands for the text in a chunk given to SSETemplate
+
+
+def sse(data: dict) -> str:
+    """One event: ``data: <compact JSON>`` and a blank line."""
+    return "data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+class SSETemplate:
+    """The event of a chunk whose only changing part is one text: all but the text is encoded once.
+
+    ``SSETemplate(chunk)`` takes a chunk holding ``TEXT_MARK`` as exactly one string value;
+    ``render(text)`` equals ``sse(chunk with that value replaced by text)``. A stream sends one event
+    per token, so the chunk's dict and its JSON encoding are built once per stream, not per token.
+    """
+
+    __slots__ = ("_before", "_after")
+
+    def __init__(self, chunk: dict) -> None:
+        self._before, self._after = sse(chunk).split(json_string(TEXT_MARK))
+
+    def render(self, text: str) -> str:
+        return self._before + json_string(text) + self._after
 
 
 class SSEResponse(StreamingResponse):
