@@ -528,6 +528,16 @@ def test_warmup_duration_measures_the_steady_state_only(factory):
     assert record["num_memory_samples"] >= 1 and record["kv_efficiency"] == pytest.approx(1.0)
 
 
+def test_num_prompts_counts_only_measured_requests_after_a_warmup(factory):
+    options = BenchOptions(num_prompts=3, duration=30.0, warmup_duration=0.3, num_warmups=0, progress=False,
+                           memory_interval=0.1)
+    results, _ = asyncio.run(run_sweep([Target.parse("http://fake")], ["short"], [LoadPoint(concurrency=2)], options,
+                                       factory, 8, {"output_len_override": 5}, transport=_fake_server(delay=0.01)))
+    result = results[0]
+    assert len(result.outputs) == 3 and result.record["completed"] == 3
+    assert len(result.warmup_outputs) >= 2  # two clients kept the load up through the warm-up
+
+
 def test_duration_window_counts_what_finished(factory):
     options = BenchOptions(num_prompts=None, duration=0.5, num_warmups=0, progress=False, memory_interval=0.1)
     results, _ = asyncio.run(run_sweep([Target.parse("http://fake")], ["short"], [LoadPoint(concurrency=3)], options,

@@ -167,17 +167,22 @@ class _Feed:
         self.deadline: float | None = None
         self.duration = duration
         self.pending = source.take(num_prompts if num_prompts else 64)
-        self.issued = 0
+        self.issued = 0  # requests sent since the window opened (those before it are warm-up)
+        self.opens = 0.0
 
-    def start(self, now: float) -> None:
-        self.deadline = now + self.duration if self.duration else None
+    def start(self, opens: float) -> None:
+        """The measured window opens at ``opens`` (perf_counter; later than now after a warm-up)."""
+        self.opens = opens
+        self.deadline = opens + self.duration if self.duration else None
 
     def next(self) -> SampleRequest | None:
         if self.limit is not None and self.issued >= self.limit:
             return None
-        if self.deadline is not None and time.perf_counter() >= self.deadline:
+        now = time.perf_counter()
+        if self.deadline is not None and now >= self.deadline:
             return None
-        self.issued += 1
+        if now >= self.opens:
+            self.issued += 1
         return self.pending.pop(0) if self.pending else self.source.next()
 
 
