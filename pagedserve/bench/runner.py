@@ -175,24 +175,27 @@ class _Feed:
         self.opens = opens
         self.deadline = opens + self.duration if self.duration else None
 
-    def next(self) -> SampleRequest | None:
+    def next(self) -> tuple[SampleRequest, bool] | None:
+        """The next request and whether it is measured (sent once the window is open), or None when done."""
         if self.limit is not None and self.issued >= self.limit:
             return None
         now = time.perf_counter()
         if self.deadline is not None and now >= self.deadline:
             return None
-        if now >= self.opens:
+        measured = now >= self.opens
+        if measured:
             self.issued += 1
-        return self.pending.pop(0) if self.pending else self.source.next()
+        return (self.pending.pop(0) if self.pending else self.source.next()), measured
 
 
-Send = Callable[[SampleRequest, float | None], Awaitable[RequestFuncOutput]]
+Send = Callable[[SampleRequest, float | None, bool], Awaitable[RequestFuncOutput]]
 
 
 async def _closed_loop(feed: _Feed, concurrency: int, send: Send) -> None:
     async def client() -> None:
-        while (sample := feed.next()) is not None:
-            await send(sample, None)
+        while (issued := feed.next()) is not None:
+            sample, measured = issued
+            await send(sample, None, measured)
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
 
@@ -201,21 +204,22 @@ async def _open_loop(feed: _Feed, point: LoadPoint, seed: int, send: Send) -> No
     semaphore = asyncio.Semaphore(point.concurrency) if point.concurrency else None
     intervals = arrival_intervals(point.request_rate or math.inf, point.burstiness, np.random.default_rng(seed))
 
-    async def one(sample: SampleRequest, scheduled: float) -> None:
+    async def one(sample: SampleRequest, scheduled: float, measured: bool) -> None:
         if semaphore is None:
-            await send(sample, scheduled)
+            await send(sample, scheduled, measured)
             return
         async with semaphore:
-            await send(sample, scheduled)
+            await send(sample, scheduled, measured)
 
     tasks: list[asyncio.Task[None]] = []
     scheduled = time.perf_counter()
     try:
-        while (sample := feed.next()) is not None:
+        while (issued := feed.next()) is not None:
+            sample, measured = issued
             delay = scheduled - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(sample, scheduled)))
+            tasks.append(asyncio.create_task(one(sample, scheduled, measured)))
             scheduled += next(intervals)
             if feed.deadline is not None and scheduled >= feed.deadline:
                 break
@@ -286,7 +290,7 @@ async def run_point(
 
     warmup_outputs: list[RequestFuncOutput] = []
 
-    async def send_warmup(sample: SampleRequest, scheduled: float | None) -> RequestFuncOutput:
+    async def send_warmup(sample: SampleRequest, scheduled: float | None, measured: bool) -> RequestFuncOutput:
         warmup_outputs.append(RequestFuncOutput())
         return await async_request_openai(client, make_input(sample, True), scheduled, warmup_outputs[-1])
 
@@ -298,21 +302,18 @@ async def run_point(
     progress = _progress_bar(options, f"{target.name} {workload} {point.label}")
     outputs: list[RequestFuncOutput] = []
     steady_warmup: list[RequestFuncOutput] = []  # sent under load before the window opened
-    warmup_s = options.warmup_duration if options.duration else 0.0
-    opens = math.inf  # perf_counter when the measured window opens
 
-    async def send(sample: SampleRequest, scheduled: float | None) -> RequestFuncOutput:
-        kept = outputs if time.perf_counter() >= opens else steady_warmup
+    async def send(sample: SampleRequest, scheduled: float | None, measured: bool) -> RequestFuncOutput:
         output = RequestFuncOutput()
-        kept.append(output)  # NOTE: registered first, so a cut-off request is still counted
+        (outputs if measured else steady_warmup).append(output)  # NOTE: first, so a cut-off request still counts
         await async_request_openai(client, make_input(sample, False), scheduled, output)
-        if progress is not None and kept is outputs:
+        if progress is not None and measured:
             progress.update(1)
         return output
 
     monitor = ServerMonitor(client, target.url("/metrics"), target.pid or options.server_pid, options.memory_interval)
-    start = time.perf_counter()
-    opens = start + warmup_s
+    warmup_s = options.warmup_duration if options.duration else 0.0
+    opens = time.perf_counter() + warmup_s  # when the measured window opens
     if not warmup_s:
         await monitor.sample()
     monitor.start(delay=warmup_s)

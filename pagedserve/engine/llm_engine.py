@@ -178,8 +178,8 @@ class LLMEngine:
             self.step()
         self.kv_cache.pool.reset_prefix_cache()
         self.scheduler.reset_counters()
-        self._busy_seconds, self._busy_since, self.runner.forward_seconds = 0.0, None, 0.0
-        self.runner.forward_cpu_seconds = 0.0
+        self._busy_seconds, self._busy_since = 0.0, None
+        self.runner.forward_seconds = self.runner.forward_cpu_seconds = 0.0
 
     def _generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed % (2**63))

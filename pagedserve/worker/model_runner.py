@@ -9,6 +9,7 @@ samples.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -90,10 +91,7 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [num_tokens]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [num_tokens]
-        start, start_cpu = time.perf_counter(), time.process_time()
-        hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
-        self.forward_seconds += time.perf_counter() - start
-        self.forward_cpu_seconds += time.process_time() - start_cpu
+        hidden = self._in_forward(self.model, ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
 
         sample_rows: list[int] = []  # flat token index of each sampled row
         rows: list[SamplingRow] = []
@@ -107,14 +105,11 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in items]
         logprobs: list[list[TokenLogprob] | None] = [None for _ in items]
         if rows:
-            if len(sample_rows) == hidden.shape[0] and sample_rows == list(range(len(sample_rows))):
+            if sample_rows == list(range(hidden.shape[0])):
                 last_hidden = hidden  # a pure decode step: every token is sampled once, in order
             else:
                 last_hidden = hidden[torch.tensor(sample_rows, device=self.device)]  # [rows, hidden]
-            start, start_cpu = time.perf_counter(), time.process_time()
-            logits = self.model.compute_logits(last_hidden)  # [rows, vocab]
-            self.forward_seconds += time.perf_counter() - start
-            self.forward_cpu_seconds += time.process_time() - start_cpu
+            logits = self._in_forward(self.model.compute_logits, last_hidden)  # [rows, vocab]
             tokens, token_logprobs = self.sampler(logits, rows)
             for owner, token, logprob in zip(owners, tokens, token_logprobs):
                 sampled[owner].append(token)
@@ -125,6 +120,14 @@ class ModelRunner:
             for k, item in enumerate(items)
         ]
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _in_forward(self, fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+        """``fn(*args)``, its wall and CPU time added to ``forward_seconds`` / ``forward_cpu_seconds``."""
+        start, start_cpu = time.perf_counter(), time.process_time()
+        out = fn(*args)
+        self.forward_seconds += time.perf_counter() - start
+        self.forward_cpu_seconds += time.process_time() - start_cpu
+        return out
 
     def _sampling_row(self, item: ScheduledRequest, sample: int) -> SamplingRow:
         request = item.request
