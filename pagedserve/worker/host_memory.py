@@ -1,9 +1,12 @@
-"""Large host buffers backed by transparent huge pages (Linux), for the paged KV cache on CPUs.
+"""Large host buffers backed by transparent huge pages (Linux), for the paged KV cache and the
+packed linear weights on CPUs.
 
 Decode attention reads cache blocks scattered over gigabytes; with 4 KiB pages nearly every
 block costs TLB misses, with 2 MiB pages almost none (~20 % faster attention at 1,000-token
-contexts on the development machine). Where the kernel keeps THP in ``madvise`` mode (a common
-default) memory gets huge pages only when asked, before it is first touched.
+contexts on the development machine). A decode step also streams every weight once: on 4 KiB
+pages the matmuls of a 64-token step took ~30 % longer there. Where the kernel keeps THP in
+``madvise`` mode (a common default) memory gets huge pages only when asked, before it is first
+touched.
 """
 
 from __future__ import annotations
@@ -47,6 +50,27 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
         logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
         return False
     return True
+
+
+def move_to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous copies of CPU ``tensors``, one after another in a single buffer backed by huge
+    pages where the kernel allows them (each copy on a 64-byte boundary), in the same order.
+
+    Takes the list over: it is emptied as the copies are made, so an original that nothing else
+    holds is freed right after its copy. The buffer's pages are committed as they are written:
+    memory grows by about one tensor during the move, not by all of them.
+    """
+    sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
+    arena = torch.empty(sum((size + 63) // 64 * 64 for size in sizes), dtype=torch.uint8)  # no pages mapped yet
+    advise_huge_pages(arena)
+    copies, offset = [], 0
+    for size in sizes:
+        tensor = tensors.pop(0)
+        copy = arena[offset:offset + size].view(tensor.dtype).view(tensor.shape)
+        copy.copy_(tensor)
+        copies.append(copy)
+        offset += (size + 63) // 64 * 64
+    return copies
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
