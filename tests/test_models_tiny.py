@@ -245,8 +245,9 @@ def test_amx_matmuls_give_the_same_logits(tiny, tmp_path):
     plain = two_prompt_step(loaded)
     assert pack_linear_weights(loaded.model, batch_size_hint=8, kernels=kernels) == 4 * loaded.num_layers + 1
     assert loaded.model.lm_head.amx_weight is not None and loaded.model.model.layers[0].mlp.down_proj.amx_weight is not None
-    buffers = {module.amx_weight.untyped_storage().data_ptr() for module in loaded.model.modules() if getattr(module, "amx_weight", None) is not None}
-    assert len(buffers) == 1  # all AMX copies share one buffer (on huge pages where the kernel allows)
+    amx_weights = [module.amx_weight for module in loaded.model.modules() if getattr(module, "amx_weight", None) is not None]
+    buffers = {weight.untyped_storage().data_ptr() for weight in amx_weights}
+    assert len(amx_weights) == 4 * loaded.num_layers + 1 and len(buffers) == 1  # one buffer, on huge pages where allowed
     amx = two_prompt_step(loaded)
     torch.testing.assert_close(amx, plain, atol=0.05, rtol=0.02)
     assert (amx.argmax(-1) == plain.argmax(-1)).float().mean() > 0.9
