@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pagedserve.entrypoints.openai.sse import TEXT_MARK, SSETemplate, sse
+from pagedserve.entrypoints.openai.sse import TEXT_MARK, SSETemplate, SSETemplates, sse
 
 TEXTS = [
     "",
@@ -45,3 +45,21 @@ def test_template_needs_the_mark_exactly_once():
         SSETemplate(completion_chunk("no mark"))
     with pytest.raises(ValueError):
         SSETemplate({"a": TEXT_MARK, "b": TEXT_MARK})
+
+
+def test_templates_are_built_once_per_choice_index():
+    built = []
+
+    def chunk_for(index: int, text: str) -> dict:
+        chunk = completion_chunk(text)
+        chunk["choices"][0]["index"] = index
+        return chunk
+
+    def make(index: int) -> dict:
+        built.append(index)
+        return chunk_for(index, TEXT_MARK)
+
+    templates = SSETemplates(make)
+    for index in (0, 1, 0, 1, 0):
+        assert templates[index].render("x") == sse(chunk_for(index, "x"))
+    assert built == [0, 1]

@@ -20,7 +20,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     timeout_error,
     usage,
 )
-from pagedserve.entrypoints.openai.sse import SSE_DONE, TEXT_MARK, SSEResponse, SSETemplate, sse
+from pagedserve.entrypoints.openai.sse import SSE_DONE, TEXT_MARK, SSEResponse, SSETemplates, sse
 from pagedserve.outputs import TokenLogprob
 from pagedserve.sampling_params import SamplingParams
 
@@ -140,7 +140,8 @@ class OpenAIServingChat(OpenAIServing):
         num_generated = 0
         num_cached = 0
         echo = self._echo_text(request)
-        plain_events: dict[int, SSETemplate] = {}  # per choice index: a content delta, nothing else
+        plain_events = SSETemplates(lambda index: {**head, "choices": [  # per choice index: a content delta only
+            {"index": index, "delta": {"content": TEXT_MARK}, "logprobs": None, "finish_reason": None}]})
         try:
             for index in range(request.n):
                 yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -158,12 +159,7 @@ class OpenAIServingChat(OpenAIServing):
                         if not completion.text and finish is None and not has_logprobs:
                             continue
                         if finish is None and num_top is None and not continuous:
-                            template = plain_events.get(completion.index)
-                            if template is None:
-                                template = plain_events[completion.index] = SSETemplate({**head, "choices": [{
-                                    "index": completion.index, "delta": {"content": TEXT_MARK}, "logprobs": None,
-                                    "finish_reason": None}]})
-                            yield template.render(completion.text)
+                            yield plain_events[completion.index].render(completion.text)
                             continue
                         choice = {
                             "index": completion.index,

@@ -20,7 +20,7 @@ from pagedserve.entrypoints.openai.serving_engine import (
     timeout_error,
     usage,
 )
-from pagedserve.entrypoints.openai.sse import SSE_DONE, TEXT_MARK, SSEResponse, SSETemplate, merge_async_iterators, sse
+from pagedserve.entrypoints.openai.sse import SSE_DONE, TEXT_MARK, SSEResponse, SSETemplates, merge_async_iterators, sse
 from pagedserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pagedserve.sampling_params import SamplingParams
 
@@ -169,11 +169,12 @@ class OpenAIServingCompletion(OpenAIServing):
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = include_usage and bool(request.stream_options.continuous_usage_stats)
         head = {"id": request_id, "object": "text_completion", "created": created, "model": model_name}
-        plain_events: dict[int, SSETemplate] = {}  # per choice index: a text delta, nothing else
 
         def chunk(index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason: object) -> dict:
             return {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                          "finish_reason": finish_reason, "stop_reason": stop_reason}]}
+
+        plain_events = SSETemplates(lambda index: chunk(index, TEXT_MARK, None, None, None))  # per choice: text only
 
         try:
             async with asyncio.timeout(self.config.request_timeout):
@@ -196,10 +197,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         offsets[index] = offsets.get(index, 0) + len(completion.text)
                         finish = completion.finish_reason
                         if logprobs is None and finish is None and completion.stop_reason is None and not continuous:
-                            template = plain_events.get(index)
-                            if template is None:
-                                template = plain_events[index] = SSETemplate(chunk(index, TEXT_MARK, None, None, None))
-                            yield template.render(text)
+                            yield plain_events[index].render(text)
                             continue
                         event = chunk(index, text, logprobs, finish.value if finish else None, completion.stop_reason)
                         if continuous:

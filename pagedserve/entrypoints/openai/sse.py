@@ -38,6 +38,18 @@ class SSETemplate:
         return self._before + json_string(text) + self._after
 
 
+class SSETemplates(dict):
+    """An ``SSETemplate`` per key (a choice index), built from ``make_chunk(key)`` on first use."""
+
+    def __init__(self, make_chunk: Callable[[int], dict]) -> None:
+        super().__init__()
+        self._make_chunk = make_chunk
+
+    def __missing__(self, key: int) -> SSETemplate:
+        template = self[key] = SSETemplate(self._make_chunk(key))
+        return template
+
+
 class SSEResponse(StreamingResponse):
     """``text/event-stream`` response whose generator is closed (aborting its requests) and whose
     ``on_close`` runs however the response ends: completed, client gone, or never started."""
