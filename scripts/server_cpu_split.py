@@ -11,6 +11,9 @@ versions (front end + engine core x (1 - forward / busy wall time)) is printed b
 
     python scripts/server_cpu_split.py --pid $(pgrep -f "pagedserve serve" | head -1) \
         --url http://127.0.0.1:8000 --workload short --concurrency 64 --duration 20
+
+``--warmup-duration S`` runs the load S seconds before the measurement starts (the steady state of
+long and mixed loads, where every sequence carries hundreds of tokens of context).
 """
 
 from __future__ import annotations
@@ -45,6 +48,17 @@ def snapshot(root: psutil.Process) -> dict[int, tuple[str, float]]:
     return {p.pid: (" ".join(p.cmdline()[:3])[:60], cpu_seconds(p)) for p in procs if p.is_running()}
 
 
+def requests_running(url: str) -> bool:
+    """Whether the server reports requests in flight (pagedserve's or vLLM's running-requests gauge)."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return False
+    names = ("pagedserve:num_requests_running", "vllm:num_requests_running")
+    return any(value > 0 for value in parse_prometheus(text, names).values())
+
+
 def engine_seconds(url: str) -> tuple[float, ...] | None:
     """(engine busy wall s, forward wall s, forward CPU s) from pagedserve's /metrics, or None elsewhere."""
     try:
@@ -65,16 +79,24 @@ def main() -> None:
     parser.add_argument("--workload", default="short")
     parser.add_argument("--concurrency", default="64")
     parser.add_argument("--duration", default="20")
+    parser.add_argument("--warmup-duration", type=float, default=0.0,
+                        help="seconds of load before the measurement starts (the articles' steady state)")
     args = parser.parse_args()
 
     root = psutil.Process(args.pid)
-    before = snapshot(root)
-    engine_before = engine_seconds(args.url)
     with tempfile.TemporaryDirectory() as output_dir:
-        subprocess.run([sys.executable, "-m", "pagedserve.bench", "--target", args.url, "--workload", args.workload,
-                        "--concurrency", args.concurrency, "--duration", args.duration, "--drain-timeout", "0",
-                        "--num-warmups", "0", "--ignore-eos", "--no-progress", "--output-dir", output_dir],
-                       check=True, stdout=subprocess.DEVNULL)
+        bench = subprocess.Popen([sys.executable, "-m", "pagedserve.bench", "--target", args.url, "--workload", args.workload,
+                                  "--concurrency", args.concurrency, "--duration", args.duration, "--drain-timeout", "0",
+                                  "--warmup-duration", str(args.warmup_duration), "--num-warmups", "0", "--ignore-eos",
+                                  "--no-progress", "--output-dir", output_dir], stdout=subprocess.DEVNULL)
+        if args.warmup_duration > 0:
+            while bench.poll() is None and not requests_running(args.url):  # the client loads its tokenizer first
+                time.sleep(0.2)
+            time.sleep(args.warmup_duration)
+        before = snapshot(root)
+        engine_before = engine_seconds(args.url)
+        if bench.wait() != 0:
+            raise SystemExit(f"pagedserve bench failed (exit {bench.returncode})")
         after = snapshot(root)
         with open(os.path.join(output_dir, "summary.json")) as f:
             records = json.load(f)["results"]
