@@ -100,7 +100,8 @@ def main() -> None:
         after = snapshot(root)
         with open(os.path.join(output_dir, "summary.json")) as f:
             records = json.load(f)["results"]
-    tokens = sum(r["total_output_tokens"] + r.get("incomplete_output_tokens", 0) for r in records)
+    tokens = sum(r["total_output_tokens"] + r.get("incomplete_output_tokens", 0) + r.get("warmup_carried_output_tokens", 0)
+                 for r in records)  # the last: streamed in the window by requests sent during the warm-up
     engine_after = engine_seconds(args.url)
     for _ in range(60):  # the cut-off requests are aborted; once idle, the core sends exact totals
         time.sleep(0.5)

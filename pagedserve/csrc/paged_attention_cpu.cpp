@@ -376,14 +376,14 @@ void accumulate_values(int64_t heads, const uint16_t* v_head, const int64_t* row
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// The value sums of one KV head's group of query heads with AMX, for head_dim = 64. Tiles (loaded
-// by configure_value_tiles, which replaces the score tiles' shapes): 0 = the group's probabilities
-// for 32 tokens [group, 32] bf16; 1 and 2 = values of 16 token pairs x 16 dims, each pair's two
-// rows interleaved (VNNI); 4-7 = the float32 sums [group, 16 dims] of the four dim slices.
 // Below this many context tokens the two tile reconfigurations per sequence cost more than the
 // tile multiplies save (measured: slower at 60 tokens, even at 150-300, ahead from ~700).
 constexpr int64_t kAmxValueMinTokens = 256;
 
+// The value sums of one KV head's group of query heads with AMX, for head_dim = 64. Tiles (this
+// configuration replaces the score tiles' shapes): 0 = the group's probabilities for 32 tokens
+// [group, 32] bf16; 1 and 2 = values of 16 token pairs x 16 dims, each pair's two rows interleaved
+// (VNNI); 4-7 = the float32 sums [group, 16 dims] of the four dim slices.
 inline void configure_value_tiles(int64_t group) {
   TileConfig config;
   config.rows[0] = static_cast<uint8_t>(group);
@@ -502,7 +502,7 @@ inline void score_chunk_amx(const uint16_t* keys, int64_t token_stride, const ui
 // vdpbf16ps (score_chunk_*). Values: two tokens at a time, their rows interleaved so that one vdpbf16ps adds p_t * v_t + p_t+1 * v_t+1;
 // the probabilities are rounded to bf16 for that, as a bf16 attention matmul does. With AMX and
 // head_dim 64 the same interleaved pairs feed tile multiplies instead (accumulate_values_amx:
-// a quarter less compute in cache, 4-8 % less time at 700-1,000-token contexts read from memory).
+// a quarter less compute in cache, 4-11 % less time at 700-1,000-token contexts read from memory).
 template <int NC>
 void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
                                   const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
