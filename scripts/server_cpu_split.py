@@ -48,23 +48,25 @@ def snapshot(root: psutil.Process) -> dict[int, tuple[str, float]]:
     return {p.pid: (" ".join(p.cmdline()[:3])[:60], cpu_seconds(p)) for p in procs if p.is_running()}
 
 
-def requests_running(url: str) -> bool:
-    """Whether the server reports requests in flight (pagedserve's or vLLM's running-requests gauge)."""
+def metrics_text(url: str) -> str | None:
+    """The server's /metrics page, or None when it cannot be read."""
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as response:
-            text = response.read().decode()
+            return response.read().decode()
     except OSError:
-        return False
+        return None
+
+
+def requests_running(url: str) -> bool:
+    """Whether the server reports requests in flight (pagedserve's or vLLM's running-requests gauge)."""
     names = ("pagedserve:num_requests_running", "vllm:num_requests_running")
-    return any(value > 0 for value in parse_prometheus(text, names).values())
+    return any(value > 0 for value in parse_prometheus(metrics_text(url) or "", names).values())
 
 
 def engine_seconds(url: str) -> tuple[float, ...] | None:
     """(engine busy wall s, forward wall s, forward CPU s) from pagedserve's /metrics, or None elsewhere."""
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as response:
-            text = response.read().decode()
-    except OSError:
+    text = metrics_text(url)
+    if text is None:
         return None
     values = parse_prometheus(text, ENGINE_METRICS)
     if len(values) != len(ENGINE_METRICS):
