@@ -1,5 +1,5 @@
 // Shared AVX-512 helpers for the CPU kernels: bf16 <-> float32 conversion (round to nearest even,
-// as c10::BFloat16 does), a vectorized exp and an in-place softmax.
+// as c10::BFloat16 does), tail masks, a vectorized exp, a max and an in-place softmax.
 #pragma once
 
 #include <torch/extension.h>
@@ -43,13 +43,25 @@ inline __m512 exp_avx512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Lanes [0, n) of 16: all of them for n >= 16, none for n <= 0.
+inline __mmask16 tail_mask(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// max(s[0:len]), -inf for len 0; nothing past len is read.
+inline float max_avx512(const float* s, int64_t len) {
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 m = tail_mask(len - t);
+    vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + t));
+  }
+  return _mm512_reduce_max_ps(vmax);
+}
+
 // In place: s[0:len] = softmax(s[0:len]).
 inline void softmax_avx512(float* s, int64_t len) {
   const int64_t vec_end = len - len % 16;
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t = 0; t < vec_end; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
-  float mx = _mm512_reduce_max_ps(vmax);
-  for (int64_t t = vec_end; t < len; ++t) mx = std::max(mx, s[t]);
+  const float mx = max_avx512(s, len);
   const __m512 vmx = _mm512_set1_ps(mx);
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t t = 0; t < vec_end; t += 16) {

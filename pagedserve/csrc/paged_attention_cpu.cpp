@@ -31,6 +31,8 @@ namespace {
 
 #if defined(__AVX512F__)
 using pagedserve::exp_avx512;
+using pagedserve::max_avx512;
+using pagedserve::tail_mask;
 using pagedserve::softmax_avx512;
 using pagedserve::load_bf16x16;
 using pagedserve::store_bf16x16;
@@ -260,14 +262,11 @@ constexpr int64_t kFarValuePrefetchAhead = 2 * kFarPrefetchAhead;
 
 // Ask for one cached token row ahead of use: rows sit in blocks scattered over the cache, so the
 // hardware prefetcher loses the stream at every block boundary.
+// Hint: _MM_HINT_T0 into L1 (the default), _MM_HINT_T1 into L2.
+template <int Hint = _MM_HINT_T0>
 inline void prefetch_row(const uint16_t* row, int64_t elements) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < elements * 2; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-}
-
-inline void prefetch_row_to_l2(const uint16_t* row, int64_t elements) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < elements * 2; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+  for (int64_t off = 0; off < elements * 2; off += 64) _mm_prefetch(p + off, static_cast<_mm_hint>(Hint));
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -390,11 +389,6 @@ void accumulate_values(int64_t heads, const uint16_t* v_head, const int64_t* row
 // folded into the value rounds; before that, even at 150-300 and ahead from ~700).
 constexpr int64_t kAmxValueMinTokens = 128;
 
-// Lanes [0, n) of 16: all of them for n >= 16, none for n <= 0.
-inline __mmask16 tail_mask(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1u);
-}
-
 // The value sums of one KV head's group of query heads with AMX, for head_dim = 64. Tiles (this
 // configuration replaces the score tiles' shapes): 0 = the group's probabilities for 32 tokens
 // [group, 32] bf16; 1 and 2 = values of 16 token pairs x 16 dims, each pair's two rows interleaved
@@ -430,10 +424,7 @@ inline void accumulate_values_amx(const uint16_t* v_head, const int64_t* rows, i
   alignas(64) uint16_t probs[16][32];      // [query head][token of the round]: exp(score - max) as bf16
   __m512 vmax[16], vsum[16];
   for (int64_t g = 0; g < group; ++g) {
-    const float* s = scores + g * len_pad;
-    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t < len; t += 16) m = _mm512_mask_max_ps(m, tail_mask(len - t), m, _mm512_loadu_ps(s + t));
-    vmax[g] = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    vmax[g] = _mm512_set1_ps(max_avx512(scores + g * len_pad, len));
     vsum[g] = _mm512_setzero_ps();
   }
   _tile_zero(4);
@@ -448,7 +439,7 @@ inline void accumulate_values_amx(const uint16_t* v_head, const int64_t* rows, i
         prefetch_row(v_head + rows[ahead + kValuePrefetchAhead], 64);
       }
       for (int64_t ahead = t; ahead < std::min<int64_t>(t + 2, len - kFarValuePrefetchAhead); ++ahead) {
-        prefetch_row_to_l2(v_head + rows[ahead + kFarValuePrefetchAhead], 64);
+        prefetch_row<_MM_HINT_T1>(v_head + rows[ahead + kFarValuePrefetchAhead], 64);
       }
       for (int c = 0; c < 2; ++c) {
         const __m512i a = t < len ? _mm512_loadu_si512(v_head + rows[t] + 32 * c) : _mm512_setzero_si512();
@@ -516,7 +507,7 @@ inline void score_chunk_dpbf16(const uint16_t* keys, const int64_t* rows, int64_
   }
   for (int64_t g = 0; g < group; ++g) {
     const __m512 sums = _mm512_mul_ps(hsum16_avx512(partial + g * 16), vscale);
-    _mm512_mask_storeu_ps(scores + g * len_pad, static_cast<__mmask16>((1u << n) - 1u), sums);
+    _mm512_mask_storeu_ps(scores + g * len_pad, tail_mask(n), sums);
   }
 }
 
@@ -586,8 +577,7 @@ void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& k
       for (int64_t h = 0; h < L.num_heads; ++h) {
         for (int c = 0; c < NC; ++c) qv[h * NC + c] = _mm512_loadu_si512(q_ptr + (seq * L.num_heads + h) * head_dim + 32 * c);
       }
-      scores.resize(L.num_heads * len_pad);  // t < len is written below; the padding must be 0
-      for (int64_t h = 0; h < L.num_heads; ++h) std::fill(scores.begin() + h * len_pad + len, scores.begin() + (h + 1) * len_pad, 0.f);
+      scores.resize(L.num_heads * len_pad);  // t < len is written below; nothing reads the padding
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
       for (int64_t kv_head = 0; use_amx && kv_head < L.num_kv_heads; ++kv_head) {
         pack_group_queries(q_ptr + (seq * L.num_heads + kv_head * L.group) * head_dim, L.group, head_dim,
@@ -606,7 +596,7 @@ void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& k
             prefetch_row(k_base + rows[t + kPrefetchAhead], L.token_stride);
           }
           for (int64_t t = first; t < std::min<int64_t>(last, len - kFarPrefetchAhead); ++t) {
-            prefetch_row_to_l2(k_base + rows[t + kFarPrefetchAhead], L.token_stride);
+            prefetch_row<_MM_HINT_T1>(k_base + rows[t + kFarPrefetchAhead], L.token_stride);
           }
           float* head_scores = scores.data() + kv_head * L.group * len_pad + t0;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -642,9 +632,9 @@ void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& k
       probs.resize(L.num_heads * len_pad);  // every entry is written below
       for (int64_t h = 0; h < L.num_heads; ++h) {
         float* s = scores.data() + h * len_pad;
-        softmax_avx512(s, len);  // entries len .. len_pad stay 0
-        for (int64_t t = 0; t < len_pad; t += 16) {
-          const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(s + t));
+        softmax_avx512(s, len);
+        for (int64_t t = 0; t < len_pad; t += 16) {  // probabilities past len are 0
+          const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail_mask(len - t), s + t));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs.data() + h * len_pad + t), reinterpret_cast<__m256i>(b));
         }
       }

@@ -80,13 +80,9 @@ void pack_context(const uint16_t* k_head, const uint16_t* v_head, const std::vec
 // p[0:seen] = bf16(softmax(scale * s[0:seen])) in three passes (max; exponentials and their sum,
 // kept in s; normalize and round); p[seen:] is left as it is.
 inline void softmax_to_bf16(float* s, int64_t seen, float scale, uint16_t* p) {
-  auto mask = [seen](int64_t t) {
-    return seen - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (seen - t)) - 1u);
-  };
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t = 0; t < seen; t += 16) vmax = _mm512_mask_max_ps(vmax, mask(t), vmax, _mm512_loadu_ps(s + t));
+  auto mask = [seen](int64_t t) { return pagedserve::tail_mask(seen - t); };
   const __m512 vscale = _mm512_set1_ps(scale);
-  const __m512 vshift = _mm512_set1_ps(_mm512_reduce_max_ps(vmax) * scale);
+  const __m512 vshift = _mm512_set1_ps(pagedserve::max_avx512(s, seen) * scale);
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t t = 0; t < seen; t += 16) {
     const __mmask16 m = mask(t);
