@@ -276,6 +276,13 @@ inline void prefetch_row(const uint16_t* row, int64_t elements) {
   for (int64_t off = 0; off < elements * 2; off += 64) _mm_prefetch(p + off, static_cast<_mm_hint>(Hint));
 }
 
+// prefetch_row for the tokens t + ahead, t in [first, last), that lie before len.
+template <int Hint = _MM_HINT_T0>
+inline void prefetch_rows_ahead(const uint16_t* base, const int64_t* rows, int64_t first, int64_t last, int64_t ahead,
+                                int64_t len, int64_t elements) {
+  for (int64_t t = first + ahead; t < std::min(last + ahead, len); ++t) prefetch_row<Hint>(base + rows[t], elements);
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 using pagedserve::amx_tiles_usable;
 using pagedserve::TileConfig;
@@ -331,11 +338,9 @@ void accumulate_values_for(const uint16_t* v_head, const int64_t* rows, int64_t 
 #pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) acc[g][c][0] = acc[g][c][1] = _mm512_setzero_ps();
   }
-  for (int64_t t = 0; t < std::min<int64_t>(kValuePrefetchAhead, len); ++t) prefetch_row(v_head + rows[t], head_dim);
+  prefetch_rows_ahead(v_head, rows, 0, kValuePrefetchAhead, 0, len, head_dim);
   for (int64_t t = 0; t < len; t += 2) {
-    for (int64_t ahead = t + kValuePrefetchAhead; ahead < std::min<int64_t>(t + kValuePrefetchAhead + 2, len); ++ahead) {
-      prefetch_row(v_head + rows[ahead], head_dim);
-    }
+    prefetch_rows_ahead(v_head, rows, t, t + 2, kValuePrefetchAhead, len, head_dim);
     const uint16_t* a_row = v_head + rows[t];
     const bool has_b = t + 1 < len;  // never read past the context: a stale slot may hold anything
     __m512i vlo[NC], vhi[NC];
@@ -438,16 +443,12 @@ inline void accumulate_values_amx(const uint16_t* v_head, const int64_t* rows, i
   _tile_zero(5);
   _tile_zero(6);
   _tile_zero(7);
-  for (int64_t t = 0; t < std::min<int64_t>(kValuePrefetchAhead, len); ++t) prefetch_row(v_head + rows[t], 64);
+  prefetch_rows_ahead(v_head, rows, 0, kValuePrefetchAhead, 0, len, 64);
   for (int64_t t0 = 0; t0 < len; t0 += 32) {
     for (int64_t pair = 0; pair < 16; ++pair) {
       const int64_t t = t0 + 2 * pair;
-      for (int64_t ahead = t; ahead < std::min<int64_t>(t + 2, len - kValuePrefetchAhead); ++ahead) {
-        prefetch_row(v_head + rows[ahead + kValuePrefetchAhead], 64);
-      }
-      for (int64_t ahead = t; ahead < std::min<int64_t>(t + 2, len - kFarValuePrefetchAhead); ++ahead) {
-        prefetch_row<_MM_HINT_T1>(v_head + rows[ahead + kFarValuePrefetchAhead], 64);
-      }
+      prefetch_rows_ahead(v_head, rows, t, t + 2, kValuePrefetchAhead, len, 64);
+      prefetch_rows_ahead<_MM_HINT_T1>(v_head, rows, t, t + 2, kFarValuePrefetchAhead, len, 64);
       for (int c = 0; c < 2; ++c) {
         const __m512i a = t < len ? _mm512_loadu_si512(v_head + rows[t] + 32 * c) : _mm512_setzero_si512();
         const __m512i b = t + 1 < len ? _mm512_loadu_si512(v_head + rows[t + 1] + 32 * c) : _mm512_setzero_si512();
@@ -588,7 +589,8 @@ void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& k
       const int64_t start_values = std::min<int64_t>(kStartRows, len), start_keys = std::min<int64_t>(kStartRows, next_len);
       int64_t start_done = 0;
       auto prefetch_starts = [&](int64_t count) {
-        for (const int64_t stop = std::min(start_done + count, start_values + start_keys); start_done < stop; ++start_done) {
+        const int64_t stop = std::min(start_done + count, start_values + start_keys);
+        for (; start_done < stop; ++start_done) {
           if (start_done < start_values) prefetch_row<_MM_HINT_T1>(v_base + rows[start_done], L.token_stride);
           else prefetch_row<_MM_HINT_T1>(k_base + next_rows[start_done - start_values], L.token_stride);
         }
@@ -604,20 +606,14 @@ void decode_attention_bf16_dpbf16(const torch::Tensor& q, const torch::Tensor& k
                            q_vnni.data() + kv_head * NC * 16 * L.group * 2);
       }
 #endif
-      for (int64_t t = 0; t < std::min<int64_t>(kPrefetchAhead, len); ++t) {
-        prefetch_row(k_base + rows[t], L.token_stride);
-      }
+      prefetch_rows_ahead(k_base, rows.data(), 0, kPrefetchAhead, 0, len, L.token_stride);
       for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, len - t0);
         for (int64_t kv_head = 0; kv_head < L.num_kv_heads; ++kv_head) {
           // this head's share of the prefetches for the chunk kPrefetchAhead (kFarPrefetchAhead) tokens on
           const int64_t first = t0 + kv_head * 16 / L.num_kv_heads, last = t0 + (kv_head + 1) * 16 / L.num_kv_heads;
-          for (int64_t t = first; t < std::min<int64_t>(last, len - kPrefetchAhead); ++t) {
-            prefetch_row(k_base + rows[t + kPrefetchAhead], L.token_stride);
-          }
-          for (int64_t t = first; t < std::min<int64_t>(last, len - kFarPrefetchAhead); ++t) {
-            prefetch_row<_MM_HINT_T1>(k_base + rows[t + kFarPrefetchAhead], L.token_stride);
-          }
+          prefetch_rows_ahead(k_base, rows.data(), first, last, kPrefetchAhead, len, L.token_stride);
+          prefetch_rows_ahead<_MM_HINT_T1>(k_base, rows.data(), first, last, kFarPrefetchAhead, len, L.token_stride);
           prefetch_starts(kStartRowsPerStep);
           float* head_scores = scores.data() + kv_head * L.group * len_pad + t0;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
