@@ -108,11 +108,16 @@ def test_cpu_kernel_rejects_a_length_beyond_the_block_table():
         kernels.paged_decode_attention(q, cache, torch.tensor([[1, 2]]), torch.tensor([3, 4]), 0.125)
 
 
-def amx_prefill_kernels():
+def prefill_kernels():
     kernels = load_cpu_kernels()
-    if kernels is None or not kernels.has_amx_prefill_attention():
-        pytest.skip("no AMX bf16 tiles on this machine (or no compiler)")
+    if kernels is None or not kernels.has_prefill_attention():
+        pytest.skip("no AVX512-BF16 on this machine (or no compiler)")
     return kernels
+
+
+def prefill_back_ends(kernels) -> list[bool]:
+    """allow_amx values to test: the AVX512-BF16 back end always, the AMX one where this machine has it."""
+    return [False, True] if kernels.has_amx_prefill_attention() else [False]
 
 
 def nan_filled_cache(lens, block_size, kv_heads, head_dim):
@@ -133,8 +138,8 @@ def nan_filled_cache(lens, block_size, kv_heads, head_dim):
 # prompts from 1 token to several 16-query blocks, whole or as the last chunk over a cached prefix
 @pytest.mark.parametrize("block_size, heads, kv_heads", [(16, 9, 3), (128, 8, 1), (32, 4, 4)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_amx_prefill_kernel_matches_reference(head_dim, block_size, heads, kv_heads):
-    kernels = amx_prefill_kernels()
+def test_prefill_kernel_matches_reference(head_dim, block_size, heads, kv_heads):
+    kernels = prefill_kernels()
     torch.manual_seed(head_dim + block_size)
     lens = [1, 17, 40, 16, 100, 300, 33]
     num_new = [1, 17, 7, 16, 100, 45, 32]  # 7 / 45 / 32 new tokens after a cached prefix
@@ -142,20 +147,23 @@ def test_amx_prefill_kernel_matches_reference(head_dim, block_size, heads, kv_he
     meta = build_attention_metadata([n - k for n, k in zip(lens, num_new)], num_new, tables, block_size)
     q = torch.randn(sum(num_new), heads, head_dim).to(torch.bfloat16)
     scale = head_dim**-0.5
-    out = kernels.paged_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.prefill_query_start_loc, scale)
-    assert out.dtype == torch.bfloat16 and out.shape == q.shape and not out.isnan().any()
     clean = torch.nan_to_num(cache.float(), nan=0.0)
-    for i, (length, new) in enumerate(zip(lens, num_new)):
-        start = meta.query_start_loc[i]
-        k, v = _gather_context(clean, meta.block_tables[i], length)
-        expected = _prefill_attention(q[start : start + new].float(), k, v, scale)
-        torch.testing.assert_close(out[start : start + new].float(), expected, atol=2e-2, rtol=2e-2)
+    for allow_amx in prefill_back_ends(kernels):
+        out = kernels.paged_prefill_attention(
+            q, cache, meta.block_tables, meta.seq_lens, meta.prefill_query_start_loc, scale, allow_amx=allow_amx
+        )
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape and not out.isnan().any()
+        for i, (length, new) in enumerate(zip(lens, num_new)):
+            start = meta.query_start_loc[i]
+            k, v = _gather_context(clean, meta.block_tables[i], length)
+            expected = _prefill_attention(q[start : start + new].float(), k, v, scale)
+            torch.testing.assert_close(out[start : start + new].float(), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_mixed_step_with_the_prefill_kernel_matches_the_pytorch_path():
     """paged_attention hands decodes to the decode kernel and the prompt chunks after them to the
     prefill kernel; the result is the pure-PyTorch one up to bf16 rounding."""
-    kernels = amx_prefill_kernels()
+    kernels = prefill_kernels()
     torch.manual_seed(3)
     block_size, heads, kv_heads, head_dim = 16, 9, 3, 64
     lens, num_new = [50, 9, 64, 130], [1, 1, 64, 30]  # two decodes, a whole prompt, a chunk over a prefix
@@ -175,8 +183,8 @@ def test_mixed_step_with_the_prefill_kernel_matches_the_pytorch_path():
     torch.testing.assert_close(alone.float(), reference[2:66].float(), atol=2e-2, rtol=2e-2)
 
 
-def test_amx_prefill_kernel_rejects_bad_shapes():
-    kernels = amx_prefill_kernels()
+def test_prefill_kernel_rejects_bad_shapes():
+    kernels = prefill_kernels()
     cache = torch.zeros(2, 8, 16, 3, 64, dtype=torch.bfloat16)
     q = torch.zeros(4, 9, 64, dtype=torch.bfloat16)
     table, starts = torch.tensor([[1, 2]]), torch.tensor([0, 4])

@@ -9,9 +9,10 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
 void rotary_embedding_(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor argmax_rows(torch::Tensor logits);
+bool has_prefill_attention();
 bool has_amx_prefill_attention();
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                      torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale);
+                                      torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale, bool allow_amx);
 bool has_amx_linear();
 torch::Tensor pack_linear_weight_amx(torch::Tensor weight);
 torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
@@ -22,10 +23,14 @@ using ReleaseGil = py::call_guard<py::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", ReleaseGil());
+  m.def("has_prefill_attention", &has_prefill_attention,
+        "Whether paged_prefill_attention can run here (built with AVX512-BF16)", ReleaseGil());
   m.def("has_amx_prefill_attention", &has_amx_prefill_attention,
-        "Whether paged_prefill_attention can run here (built with AMX, tiles granted by the OS)", ReleaseGil());
-  m.def("paged_prefill_attention", &paged_prefill_attention, "Causal paged attention of prompt chunks (CPU, bf16, AMX)",
-        ReleaseGil());
+        "Whether paged_prefill_attention uses AMX tiles here (built with AMX, tiles granted by the OS)", ReleaseGil());
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "Causal paged attention of prompt chunks (CPU, bf16; AMX tiles where allowed and usable, else AVX512-BF16)",
+        py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"),
+        py::arg("scale"), py::arg("allow_amx") = true, ReleaseGil());
   m.def("write_kv_cache_", &write_kv_cache_, "Store new keys/values at their cache slots", ReleaseGil());
   m.def("has_fused_bf16_ops", &has_fused_bf16_ops, "Whether the fused bf16 ops below were compiled (AVX-512)", ReleaseGil());
   m.def("rms_norm", &rms_norm, "RMSNorm (bf16); with a residual: residual += x in place, RMSNorm(residual)",

@@ -144,14 +144,15 @@ def paged_attention(
 
 
 def _prefill_kernel_applies(kernels: ModuleType | None, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether the C++ AMX prefill kernel takes this layer's prompt chunks (bf16, head_dim 64 / 128,
-    blocks of a multiple of 16 tokens, AMX granted); otherwise PyTorch's SDPA does, per request."""
+    """Whether the C++ prefill kernel takes this layer's prompt chunks (bf16, head_dim 64 / 128,
+    blocks of a multiple of 16 tokens, a CPU with AVX512-BF16; AMX tiles where granted); otherwise
+    PyTorch's SDPA does, per request."""
     return (
         kernels is not None
         and query.dtype == kv_cache.dtype == torch.bfloat16
         and query.shape[-1] in (64, 128)
         and kv_cache.shape[2] % 16 == 0
-        and kernels.has_amx_prefill_attention()
+        and kernels.has_prefill_attention()
     )
 
 
