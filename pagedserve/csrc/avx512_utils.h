@@ -103,5 +103,10 @@ inline __m512 round_bf16(__m512 v) {
 }
 #endif  // AVX512BW && AVX512VL
 
+#if defined(__AVX512BF16__)
+// 32 bf16 values held in an integer register, as the operand type of vdpbf16ps.
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+#endif
+
 }  // namespace pagedserve
 #endif

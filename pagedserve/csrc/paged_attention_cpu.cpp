@@ -248,7 +248,7 @@ inline __m512 hsum16_avx512(const __m512* v) {
                        _mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+using pagedserve::as_bh;
 
 // Rows are prefetched twice: into L1 a few tokens ahead of use, and into L2 far ahead, so that the
 // L1 requests (at most ~16 line fills in flight per core) find their lines in L2 instead of

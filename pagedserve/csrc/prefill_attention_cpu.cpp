@@ -43,7 +43,7 @@ constexpr int64_t kOperand = 512;  // bf16 elements of one 16 x 64-byte operand 
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+using pagedserve::as_bh;
 
 struct PrefillLayout {
   int64_t num_reqs, num_heads, num_kv_heads, group, block_size, max_num_blocks, token_stride, values_offset;
@@ -108,8 +108,6 @@ inline void softmax_to_bf16(float* s, int64_t seen, float scale, uint16_t* p) {
 // 32-bit pair of the A operand (two query dims, or two keys' probabilities) broadcast to all lanes,
 // against one 64-byte row of a packed B operand (16 keys, or 16 output dims, times that pair).
 struct Dpbf16Products {
-  void begin() {}
-  void end() {}
 
   // S[n][k] (float32, rows `width` apart) for the 16 queries of q_block ([16, D] bf16) and keys
   // k < width (a multiple of 32, within the packed keys): two 16-key chunks x 8 queries per pass.
@@ -152,8 +150,7 @@ struct Dpbf16Products {
     constexpr int M = NC == 2 ? 6 : 3;
     int64_t m0 = 0;
     for (; m0 + M <= 16; m0 += M) values_rows<NC, M>(probs, width, values, m0, o);
-    if constexpr (16 % M == 4) values_rows<NC, 4>(probs, width, values, m0, o);
-    if constexpr (16 % M == 1) values_rows<NC, 1>(probs, width, values, m0, o);
+    if constexpr (16 % M != 0) values_rows<NC, 16 % M>(probs, width, values, m0, o);
   }
 
   template <int NC, int M>
@@ -191,10 +188,12 @@ struct Dpbf16Products {
 #if PAGEDSERVE_HAS_AMX_PREFILL
 // The same products with AMX tiles (configure_full_tiles): 0-3 float32 results (scores, or 16
 // queries x 16 dims of the output each); 4: the A operand (queries, or probabilities); 6, 7: B
-// operands (keys, or values).
+// operands (keys, or values). One object per thread: it holds the tile configuration while it lives.
 struct AmxProducts {
-  void begin() { pagedserve::configure_full_tiles(); }
-  void end() { _tile_release(); }
+  AmxProducts() { pagedserve::configure_full_tiles(); }
+  ~AmxProducts() { _tile_release(); }
+  AmxProducts(const AmxProducts&) = delete;
+  AmxProducts& operator=(const AmxProducts&) = delete;
 
   template <int NC>
   void scores(const uint16_t* q_block, const uint16_t* keys_t, int64_t width, float* s) {
@@ -270,7 +269,6 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, co
   }
   at::parallel_for(0, first_item[L.num_reqs], 1, [&](int64_t begin, int64_t end) {
     Products products;
-    products.begin();
     alignas(64) uint16_t q_block[16 * D];
     alignas(64) float out_block[16 * D];
     std::vector<float> scores;
@@ -305,18 +303,9 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, co
         for (int64_t d = 0; d < D; d += 16) pagedserve::store_bf16x16(dst + d, _mm512_load_ps(out_block + n * D + d));
       }
     }
-    products.end();
   });
 }
 #endif  // __AVX512BF16__
-
-bool amx_usable() {
-#if PAGEDSERVE_HAS_AMX_PREFILL
-  return pagedserve::amx_tiles_usable();
-#else
-  return false;
-#endif
-}
 
 }  // namespace
 
@@ -328,7 +317,13 @@ bool has_prefill_attention() {
 #endif
 }
 
-bool has_amx_prefill_attention() { return amx_usable(); }
+bool has_amx_prefill_attention() {
+#if PAGEDSERVE_HAS_AMX_PREFILL
+  return pagedserve::amx_tiles_usable();
+#else
+  return false;
+#endif
+}
 
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                                       torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale, bool allow_amx) {
@@ -370,7 +365,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, t
     L.packed_offset[i + 1] = L.packed_offset[i] + L.num_kv_heads * round_up(L.lens[i], 32) * q.size(2);
   }
 #if PAGEDSERVE_HAS_AMX_PREFILL
-  if (allow_amx && amx_usable()) {
+  if (allow_amx && has_amx_prefill_attention()) {
     if (q.size(2) == 64) {
       prefill_attention<2, AmxProducts>(q, kv_cache, L, scale, out);
     } else {
