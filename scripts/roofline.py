@@ -116,6 +116,15 @@ def roofline(weights: int, kv_per_token: int, gflops: float, bandwidth_gbs: floa
     return min(compute_bound, memory_bound)
 
 
+def _auto_dtype_name() -> str | None:
+    """The dtype ``--dtype auto`` serves in on this CPU (bfloat16 only where it is native), if pagedserve is there."""
+    try:
+        from pagedserve.models.loader import resolve_dtype
+    except ImportError:
+        return None
+    return str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
@@ -145,14 +154,18 @@ def main() -> None:
             rows[key] = {b: roofline(weights, kv_per_token, gflops, best_bw, dtype_bytes, b, args.context_len)
                          for b in BATCHES}
             print(f"{key:15s} {gflops:8.0f} " + " ".join(f"{v:9.0f}" for v in rows[key].values()))
-    saturated = 1e9 * max(gemm["bfloat16"].values()) / (2.0 * weights)
-    print(f"\nsaturated bf16 decode (peak GEMM / FLOP per token, attention ignored): {saturated:.0f} tokens/s; "
-          f"60% of it: {0.6 * saturated:.0f} tokens/s")
+    saturated = {name: 1e9 * max(gemm[name].values()) / (2.0 * weights) for name in gemm}
+    served = _auto_dtype_name()
+    for name, value in saturated.items():
+        mark = "  <- pagedserve's --dtype auto here" if name == served else ""
+        print(f"saturated {name} decode (peak GEMM / FLOP per token, attention ignored): {value:.0f} tokens/s; "
+              f"60% of it: {0.6 * value:.0f} tokens/s{mark}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:
             json.dump({"threads": args.threads, "model_shape": shape, "weights": weights, "gemm_gflops": gemm,
                        "bandwidth_gbs": bandwidth, "roofline_tokens_per_s": rows,
-                       "saturated_bf16_tokens_per_s": saturated}, file, indent=2)
+                       "saturated_bf16_tokens_per_s": saturated["bfloat16"],
+                       "saturated_fp32_tokens_per_s": saturated["float32"], "auto_dtype": served}, file, indent=2)
 
 
 if __name__ == "__main__":

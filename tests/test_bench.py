@@ -347,6 +347,9 @@ def test_cli_parsing():
     assert cli.main(bad) == 2
     assert cli.main(parser.parse_args(["--warmup-duration", "5"])) == 2  # a warm-up needs a --duration window
     assert cli.main(parser.parse_args(["--duration", "5", "--warmup-duration", "-1"])) == 2
+    # clients must all be running before the window opens
+    assert cli.main(parser.parse_args(["--duration", "5", "--warmup-duration", "2", "--ramp-up", "3"])) == 2
+    assert cli.main(parser.parse_args(["--ramp-up", "-1"])) == 2
 
 
 # ---- against a real pagedserve server ---------------------------------------------------------
@@ -526,6 +529,21 @@ def test_warmup_duration_measures_the_steady_state_only(factory):
     delivered = record["total_output_tokens"] + record["incomplete_output_tokens"] + carried
     assert record["output_throughput"] == pytest.approx(delivered / record["duration_s"])
     assert record["num_memory_samples"] >= 1 and record["kv_efficiency"] == pytest.approx(1.0)
+
+
+def test_ramp_up_starts_closed_loop_clients_one_by_one(factory):
+    """--ramp-up: client i sends its first request i * ramp / concurrency after the first client."""
+    options = BenchOptions(num_prompts=None, duration=0.3, warmup_duration=0.6, ramp_up=0.6, drain_timeout=0.0,
+                           num_warmups=0, progress=False, memory_interval=0.1)
+    results, _ = asyncio.run(run_sweep([Target.parse("http://fake")], ["short"], [LoadPoint(concurrency=4)], options,
+                                       factory, 9, {"output_len_override": 200}, transport=_fake_server(delay=0.01)))
+    result = results[0]
+    # each request streams for >= 2 s, so the four requests sent are each client's first one
+    assert len(result.warmup_outputs) == 4 and not result.outputs
+    starts = sorted(o.start_time for o in result.warmup_outputs)
+    gaps = [later - earlier for earlier, later in zip(starts, starts[1:])]
+    assert all(gap >= 0.15 - 1e-3 for gap in gaps), gaps  # asyncio.sleep never wakes early
+    assert result.record["incomplete"] == 0 and result.record["warmup_carried_output_tokens"] > 0
 
 
 def test_num_prompts_counts_only_measured_requests_after_a_warmup(factory):

@@ -235,6 +235,28 @@ def test_cpu_fast_paths_give_identical_logits(tiny, tmp_path):
         model.lm_head.weight_loader(model.lm_head.weight, model.lm_head.weight.detach().clone())
 
 
+def test_float32_packed_weights_match_the_plain_model(tiny, tmp_path):
+    """float32 models get oneDNN-packed weights too (no AMX copy, no bf16 fused ops): the logits equal
+    the plain float32 model's and Transformers' up to summation order, and greedy picks agree."""
+    if not can_pack_linear_weights(torch.device("cpu"), torch.float32):
+        pytest.skip("PyTorch was built without oneDNN")
+    hf_model, _ = tiny
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    save_tiny_tokenizer(str(tmp_path))
+    loaded = load_model(ModelConfig(model=str(tmp_path), dtype="float32"), "cpu")
+    plain = two_prompt_step(loaded)
+    kernels = load_cpu_kernels()
+    assert pack_linear_weights(loaded.model, batch_size_hint=8, kernels=kernels) == 4 * loaded.num_layers + 1
+    layers = [m for m in loaded.model.modules() if getattr(m, "packed_weight", None) is not None]
+    assert len(layers) == 4 * loaded.num_layers + 1
+    assert all(m.packed_weight.dtype == torch.float32 and m.amx_weight is None for m in layers)
+    packed = two_prompt_step(loaded)
+    torch.testing.assert_close(packed, plain, atol=1e-4, rtol=1e-4)
+    assert torch.equal(packed.argmax(-1), plain.argmax(-1))
+    reference = hf_logits(hf_model, PROMPT)
+    torch.testing.assert_close(packed[: len(PROMPT)], reference, atol=1e-4, rtol=1e-4)
+
+
 def test_amx_matmuls_give_the_same_logits(tiny, tmp_path):
     """With the C++ kernels on an AMX CPU every linear of the tiny model takes the AMX layout too,
     and the logits of a two-prompt prefill step stay those of the plain bf16 model."""

@@ -74,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="with --duration: run the load this many seconds before the measured window opens (the "
                            "articles' first two minutes of ten); requests sent meanwhile are not measured, the tokens "
                            "they stream inside the window count in the throughput, memory/KV sampling starts with it")
+    load.add_argument("--ramp-up", type=float, default=0.0,
+                      help="closed loop: start the clients one by one, evenly over this many seconds (at most "
+                           "--warmup-duration), so the window sees requests at every stage as in a long-running "
+                           "service rather than waves that start together")
     load.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
 
     measure = parser.add_argument_group("measurement and output")
@@ -128,6 +132,7 @@ def _settings(args: argparse.Namespace, workloads: list[str], points: list[LoadP
         "duration": args.duration,
         "drain_timeout": None if math.isinf(args.drain_timeout) else args.drain_timeout,
         "warmup_duration": args.warmup_duration or None,
+        "ramp_up": args.ramp_up or None,
         "num_warmups": args.num_warmups,
         "ignore_eos": args.ignore_eos,
         "temperature": args.temperature,
@@ -162,6 +167,8 @@ def main(args: argparse.Namespace) -> int:
         points = build_points(args)
         if args.warmup_duration < 0 or (args.warmup_duration and not args.duration):
             raise ValueError("--warmup-duration needs --duration and must not be negative")
+        if args.ramp_up < 0 or (args.duration and args.ramp_up > args.warmup_duration):
+            raise ValueError("--ramp-up must not be negative, nor longer than --warmup-duration with --duration")
         targets = build_targets(args.target)
         slos = parse_slo(args.slo)
     except ValueError as exc:
@@ -176,7 +183,7 @@ def main(args: argparse.Namespace) -> int:
         price_per_hour=args.price_per_hour, memory_interval=args.memory_interval, server_pid=args.server_pid,
         request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
         warmup_output_len=args.warmup_output_len or None, progress=not args.no_progress and sys.stderr.isatty(),
-        warmup_duration=args.warmup_duration,
+        warmup_duration=args.warmup_duration, ramp_up=args.ramp_up,
     )
     print("loading tokenizer ...", file=sys.stderr, flush=True)
     factory = PromptFactory(load_tokenizer(args.tokenizer), args.endpoint)

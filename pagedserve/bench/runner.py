@@ -116,6 +116,9 @@ class BenchOptions:
     warmup_output_len: int | None = 16  # cap on warm-up outputs (they only warm the server up)
     # with duration: seconds the load runs before the measured window opens (the articles' steady state)
     warmup_duration: float = 0.0
+    # closed loop: clients start one by one, evenly over this many seconds (inside the warm-up), so
+    # their requests' phases are spread as in a long-running service instead of all starting at once
+    ramp_up: float = 0.0
     progress: bool = True
 
 
@@ -191,13 +194,17 @@ class _Feed:
 Send = Callable[[SampleRequest, float | None, bool], Awaitable[RequestFuncOutput]]
 
 
-async def _closed_loop(feed: _Feed, concurrency: int, send: Send) -> None:
-    async def client() -> None:
+async def _closed_loop(feed: _Feed, concurrency: int, send: Send, ramp_up: float = 0.0) -> None:
+    """``concurrency`` clients, client i starting ``i * ramp_up / concurrency`` seconds after the first."""
+
+    async def client(index: int) -> None:
+        if ramp_up > 0 and index:
+            await asyncio.sleep(index * ramp_up / concurrency)
         while (issued := feed.next()) is not None:
             sample, measured = issued
             await send(sample, None, measured)
 
-    await asyncio.gather(*(client() for _ in range(concurrency)))
+    await asyncio.gather(*(client(index) for index in range(concurrency)))
 
 
 async def _open_loop(feed: _Feed, point: LoadPoint, seed: int, send: Send) -> None:
@@ -321,7 +328,7 @@ async def run_point(
     if point.is_open:
         measured = asyncio.create_task(_open_loop(feed, point, seed, send))
     else:
-        measured = asyncio.create_task(_closed_loop(feed, point.concurrency or 1, send))
+        measured = asyncio.create_task(_closed_loop(feed, point.concurrency or 1, send, options.ramp_up))
     window = None
     if options.duration and not math.isinf(options.drain_timeout):
         window = warmup_s + options.duration + options.drain_timeout

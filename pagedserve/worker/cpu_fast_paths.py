@@ -1,10 +1,12 @@
-"""bf16 fast paths on CPUs: linear weights packed once for oneDNN (no per-call reorder) and, where
-the CPU has AMX, once more for the C++ AMX matmul of small steps; and the fused C++ element-wise
-ops (RMSNorm with residual add, rope, SiLU-and-mul) handed to the layers.
+"""CPU fast paths: linear weights packed once for oneDNN (no per-call reorder) and, where the CPU
+has AMX, once more for the C++ AMX matmul of small steps; and the fused C++ element-wise ops
+(RMSNorm with residual add, rope, SiLU-and-mul) handed to the layers.
 
 They give the same results as the plain PyTorch path up to float32 summation order (bit-identical
-on the model's shapes at small batches); the model runner switches them on only for bf16 models
-on a CPU that runs bf16 natively.
+on the model's shapes at small batches in bf16). The model runner packs the weights of bf16 models
+on a CPU that runs bf16 natively and of float32 models on any CPU with oneDNN (where PyTorch's own
+float32 matmul, MKL's, runs its small-batch shapes at half oneDNN's speed on AVX2-only AMD
+cores); the AMX copies and the fused ops are for bf16 only.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ logger = logging.getLogger(__name__)
 
 
 def can_pack_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """True on a CPU whose oneDNN runs bf16 natively (AVX-512 bf16 / AMX) and a bf16 model."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    """True for a float32 model on a CPU with oneDNN, and for a bf16 one where oneDNN runs bf16
+    natively (AVX-512 bf16 / AMX)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return False
+    if dtype == torch.float32:
+        return True
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
@@ -35,7 +40,7 @@ def can_pack_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
 def pack_linear_weights(model: nn.Module, batch_size_hint: int, kernels: ModuleType | None = None) -> int:
     """Give every ``Linear`` of ``model`` a packed weight; returns how many were packed.
 
-    With ``kernels`` (the C++ CPU kernels) on a CPU whose OS grants AMX tiles, layers whose shapes
+    With ``kernels`` (the C++ CPU kernels) on a CPU whose OS grants AMX tiles, bf16 layers whose shapes
     fit the tiles also get the AMX layout, used for steps of up to ``AMX_LINEAR_MAX_ROWS`` tokens
     (another ``out x in`` bf16 copy per layer: +270 MB for SmolLM2-135M).
 

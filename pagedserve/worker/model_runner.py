@@ -66,7 +66,7 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size, generator, kernels.argmax_rows if kernels is not None else None)
         if use_cpu_kernels and can_pack_linear_weights(device, dtype):
             pack_linear_weights(model, batch_size_hint, kernels)
-            if kernels is not None:
+            if kernels is not None and dtype == torch.bfloat16:
                 use_fused_ops(model, kernels)
 
     @torch.inference_mode()
