@@ -275,6 +275,24 @@ def test_amx_matmuls_give_the_same_logits(tiny, tmp_path):
     assert (amx.argmax(-1) == plain.argmax(-1)).float().mean() > 0.9
 
 
+
+def test_avx512_bf16_matmuls_give_the_same_logits(tiny, tmp_path):
+    """With the C++ kernels built with AVX512-BF16 on a CPU without AMX, every linear of the tiny
+    model takes that matmul's layout in place of oneDNN's (one buffer, on huge pages where allowed),
+    and the logits of a two-prompt prefill step stay those of the plain bf16 model."""
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.has_avx512_bf16_linear() or kernels.has_amx_linear():
+        pytest.skip("needs the C++ kernels built with AVX512-BF16 on a CPU without AMX")
+    loaded = load_bf16(tiny[0], tmp_path)
+    plain = two_prompt_step(loaded)
+    assert pack_linear_weights(loaded.model, batch_size_hint=8, kernels=kernels) == 4 * loaded.num_layers + 1
+    layers = [m for m in loaded.model.modules() if getattr(m, "vnni_weight", None) is not None]
+    assert len(layers) == 4 * loaded.num_layers + 1 and all(m.packed_weight is None for m in layers)
+    assert len({m.vnni_weight.untyped_storage().data_ptr() for m in layers}) == 1
+    out = two_prompt_step(loaded)
+    torch.testing.assert_close(out, plain, atol=0.05, rtol=0.02)
+    assert (out.argmax(-1) == plain.argmax(-1)).float().mean() > 0.9
+
 def test_eos_ids_and_generation_config(tmp_path):
     config = CONFIGS["llama"]()
     config.eos_token_id = [2, 7]

@@ -16,6 +16,9 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, t
 bool has_amx_linear();
 torch::Tensor pack_linear_weight_amx(torch::Tensor weight);
 torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+bool has_avx512_bf16_linear();
+torch::Tensor pack_linear_weight_vnni(torch::Tensor weight);
+torch::Tensor linear_avx512_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 
 // Every op drops the GIL while it runs: with the engine core in a thread of the server process,
 // the event loop keeps serving HTTP meanwhile.
@@ -42,5 +45,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight_amx", &pack_linear_weight_amx, "A bf16 [out, in] weight as AMX tile operands", ReleaseGil());
   m.def("linear_amx", &linear_amx, "x @ W.T (+ bias) in bf16 with AMX tiles, W packed by pack_linear_weight_amx",
         ReleaseGil());
+  m.def("has_avx512_bf16_linear", &has_avx512_bf16_linear, "Whether linear_avx512_bf16 was built (AVX512-BF16)",
+        ReleaseGil());
+  m.def("pack_linear_weight_vnni", &pack_linear_weight_vnni, "A bf16 [out, in] weight in 16-column pair-interleaved slices",
+        ReleaseGil());
+  m.def("linear_avx512_bf16", &linear_avx512_bf16,
+        "x @ W.T (+ bias) in bf16 with AVX512-BF16 dot products, W packed by pack_linear_weight_vnni", ReleaseGil());
   m.def("argmax_rows", &argmax_rows, "Index of each row's largest logit, as torch.max(dim=-1).indices", ReleaseGil());
 }

@@ -51,6 +51,9 @@ class Linear(nn.Module):
         self.packed_weight: torch.Tensor | None = None  # a oneDNN-blocked copy of `weight`, see pack_weight()
         self.amx_weight: torch.Tensor | None = None  # [out/16, in/32, 16, 16, 2] AMX tile operands, see pack_weight()
         self.amx_kernels: ModuleType | None = None  # the C++ kernels whose linear_amx reads amx_weight
+        # [out/16, in/2, 16, 2] pair-interleaved slices for AVX512-BF16 dot products (CPUs without AMX), see pack_weight()
+        self.vnni_weight: torch.Tensor | None = None
+        self.vnni_kernels: ModuleType | None = None  # the C++ kernels whose linear_avx512_bf16 reads vnni_weight
         if shard_sizes is not None:
             if sum(shard_sizes.values()) != out_features:
                 raise ValueError(f"shard sizes {shard_sizes} do not add up to {out_features}")
@@ -59,36 +62,59 @@ class Linear(nn.Module):
                 self.shard_offsets[shard_id] = (offset, size)
                 offset += size
 
+    @property
+    def is_packed(self) -> bool:
+        """True once pack_weight() has given this layer a copy in a kernel's layout."""
+        return self.packed_weight is not None or self.vnni_weight is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni_weight is not None:
+            return self.vnni_kernels.linear_avx512_bf16(x, self.vnni_weight, self.bias)
         if self.amx_weight is not None and x.dim() == 2 and x.size(0) <= AMX_LINEAR_MAX_ROWS:
             return self.amx_kernels.linear_amx(x, self.amx_weight, self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def pack_weight(self, batch_size_hint: int, release_original: bool, amx_kernels: ModuleType | None = None) -> None:
-        """Reorder the weight once into oneDNN's blocked layout (CPU, bf16 or float32), so that no matmul repacks it.
+    def pack_weight(
+        self,
+        batch_size_hint: int,
+        release_original: bool,
+        amx_kernels: ModuleType | None = None,
+        vnni_kernels: ModuleType | None = None,
+    ) -> None:
+        """Reorder the weight once into a matmul kernel's layout (CPU, bf16 or float32), so that no matmul repacks it.
 
-        ``F.linear`` on bf16 CPU tensors reorders the weight on every call; the packed copy gives
-        bit-identical results at ~40% less time per matmul. For float32 ``F.linear`` is MKL's
-        matmul; oneDNN's on the packed copy agrees up to summation order. With ``amx_kernels`` (the C++ kernels,
-        on a CPU with AMX) a second copy is laid out as AMX tile operands for steps of at most
-        ``AMX_LINEAR_MAX_ROWS`` rows (same float32 sums, rounded once: equal to oneDNN's results
-        up to the summation order, identical on small batches). With ``release_original`` the plain
-        weight's memory is given back (it must not be shared, e.g. with a tied embedding), after
-        which this layer can no longer load weights.
+        By default the copy is oneDNN's blocked layout: ``F.linear`` on bf16 CPU tensors reorders
+        the weight on every call; the packed copy gives bit-identical results at ~40% less time per
+        matmul. For float32 ``F.linear`` is MKL's matmul; oneDNN's on the packed copy agrees up to
+        summation order. With ``amx_kernels`` (the C++ kernels, on a CPU with AMX) a second copy
+        is laid out as AMX tile operands for steps of at most ``AMX_LINEAR_MAX_ROWS`` rows. With
+        ``vnni_kernels`` (the C++ kernels built with AVX512-BF16, on a CPU without AMX) the only
+        copy is in the layout of their AVX512-BF16 matmul, which is faster than oneDNN's at every
+        row count measured (1-2,048). Both kernels sum in float32 and round once: equal to
+        oneDNN's results up to the summation order, identical on most elements. Shapes a kernel
+        cannot take (out_features not a multiple of 16, or in_features of 32 for AMX, of 2 for
+        AVX512-BF16) stay on oneDNN. With ``release_original`` the plain weight's memory is given
+        back (it must not be shared, e.g. with a tied embedding), after which this layer can no
+        longer load weights.
         """
-        if (amx_kernels is not None and self.weight.dtype == torch.bfloat16
-                and self.out_features % 16 == 0 and self.in_features % 32 == 0):
-            self.amx_weight = amx_kernels.pack_linear_weight_amx(self.weight.detach())
+        weight = self.weight.detach()
+        bf16_tiles = weight.dtype == torch.bfloat16 and self.out_features % 16 == 0
+        if amx_kernels is not None and bf16_tiles and self.in_features % 32 == 0:
+            self.amx_weight = amx_kernels.pack_linear_weight_amx(weight)
             self.amx_kernels = amx_kernels
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_size_hint)
+        if vnni_kernels is not None and bf16_tiles and self.in_features % 2 == 0 and self.amx_weight is None:
+            self.vnni_weight = vnni_kernels.pack_linear_weight_vnni(weight)
+            self.vnni_kernels = vnni_kernels
+        else:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
         if release_original:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         """Copy ``loaded`` into ``param`` (this layer's weight or bias), or into one shard of it."""
-        if self.packed_weight is not None:
+        if self.is_packed:
             raise RuntimeError("weights cannot be loaded into a Linear after pack_weight()")
         target = param.data
         if shard_id is not None:
@@ -101,6 +127,7 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         packed = ", packed" if self.packed_weight is not None else ""
         packed += ", amx" if self.amx_weight is not None else ""
+        packed += ", avx512-bf16" if self.vnni_weight is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{packed}"
 
 

@@ -1,6 +1,7 @@
 """CPU fast paths: linear weights packed once for oneDNN (no per-call reorder) and, where the CPU
-has AMX, once more for the C++ AMX matmul of small steps; and the fused C++ element-wise ops
-(RMSNorm with residual add, rope, SiLU-and-mul) handed to the layers.
+has AMX, once more for the C++ AMX matmul of small steps, or, where it has AVX512-BF16 but no AMX,
+instead for the C++ AVX512-BF16 matmul; and the fused C++ element-wise ops (RMSNorm with residual
+add, rope, SiLU-and-mul) handed to the layers.
 
 They give the same results as the plain PyTorch path up to float32 summation order (bit-identical
 on the model's shapes at small batches in bf16). The model runner packs the weights of bf16 models
@@ -42,34 +43,44 @@ def pack_linear_weights(model: nn.Module, batch_size_hint: int, kernels: ModuleT
 
     With ``kernels`` (the C++ CPU kernels) on a CPU whose OS grants AMX tiles, bf16 layers whose shapes
     fit the tiles also get the AMX layout, used for steps of up to ``AMX_LINEAR_MAX_ROWS`` tokens
-    (another ``out x in`` bf16 copy per layer: +270 MB for SmolLM2-135M).
+    (another ``out x in`` bf16 copy per layer: +270 MB for SmolLM2-135M). Where the kernels were
+    built with AVX512-BF16 and there is no AMX, bf16 layers get the AVX512-BF16 matmul's layout
+    in place of oneDNN's (no second copy).
 
     A weight shared with another module (a tied embedding) keeps its plain copy next to the
     packed one (``vocab x hidden`` more bytes, ~57 MB for SmolLM2-135M); the others are released.
     Packing is for good: the model keeps the packed weights (and cannot load weights again).
-    The AMX copies end up together on huge pages (``move_to_huge_pages``): a decode step streams
+    The AMX or AVX512-BF16 copies end up together on huge pages (``move_to_huge_pages``): a decode step streams
     every one of them, and on 4 KiB pages (no glibc huge-page malloc) the matmuls took 20-27 % longer (oneDNN's
     copies are opaque tensors that stay where oneDNN put them).
     """
     uses = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
     amx_kernels = kernels if kernels is not None and kernels.has_amx_linear() else None
+    vnni_kernels = kernels if kernels is not None and amx_kernels is None and kernels.has_avx512_bf16_linear() else None
     packed = 0
     for module in model.modules():
-        if isinstance(module, Linear) and module.packed_weight is None:
-            module.pack_weight(batch_size_hint, release_original=uses[id(module.weight)] == 1, amx_kernels=amx_kernels)
+        if isinstance(module, Linear) and not module.is_packed:
+            module.pack_weight(
+                batch_size_hint,
+                release_original=uses[id(module.weight)] == 1,
+                amx_kernels=amx_kernels,
+                vnni_kernels=vnni_kernels,
+            )
             packed += 1
-    _move_amx_weights_to_huge_pages(model)
-    logger.debug("packed %d linear weights for oneDNN (AMX copies: %s)", packed, amx_kernels is not None)
+    for attribute in ("amx_weight", "vnni_weight"):
+        _move_weights_to_huge_pages(model, attribute)
+    logger.debug("packed %d linear weights (AMX copies: %s, AVX512-BF16 layout: %s)", packed, amx_kernels is not None,
+                 vnni_kernels is not None)
     return packed
 
 
-def _move_amx_weights_to_huge_pages(model: nn.Module) -> None:
-    layers = [module for module in model.modules() if isinstance(module, Linear) and module.amx_weight is not None]
-    weights = [layer.amx_weight for layer in layers]
+def _move_weights_to_huge_pages(model: nn.Module, attribute: str) -> None:
+    layers = [module for module in model.modules() if isinstance(module, Linear) and getattr(module, attribute) is not None]
+    weights = [getattr(layer, attribute) for layer in layers]
     for layer in layers:
-        layer.amx_weight = None  # the list holds the only reference: each original goes once copied
+        setattr(layer, attribute, None)  # the list holds the only reference: each original goes once copied
     for layer, weight in zip(layers, move_to_huge_pages(weights)):
-        layer.amx_weight = weight
+        setattr(layer, attribute, weight)
 
 
 def use_fused_ops(model: nn.Module, kernels: ModuleType) -> int:

@@ -27,6 +27,7 @@ _SOURCE_NAMES = (
     "fused_ops_cpu.cpp",
     "sampling_cpu.cpp",
     "linear_amx_cpu.cpp",
+    "linear_avx512_bf16_cpu.cpp",
 )
 _SOURCES = [os.path.join(_CSRC, name) for name in _SOURCE_NAMES]
 
