@@ -10,6 +10,7 @@
 #   DTYPE=bfloat16     pagedserve's dtype (the hf baseline always runs float32, as in the articles)
 #   KV_CACHE=4GiB      pagedserve's KV cache
 #   VLLM_URL=http://127.0.0.1:8002   add a running vLLM server as a third target (started by you)
+#   VLLM_PID=1234      its server process, for peak RSS of it and its children (else read from its /metrics)
 #   EXTRA="..."        more `pagedserve bench` flags, e.g. "--price-per-hour 0.10"
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +46,7 @@ mkdir -p "$OUT"
 start paged "$PAGED_PORT" --dtype "$DTYPE" --kv-cache-memory "$KV_CACHE" --max-model-len 4096
 start hf "$HF_PORT" --engine hf --max-model-len 4096
 targets=(--target "pagedserve=http://127.0.0.1:$PAGED_PORT,pid=$paged_pid" --target "hf=http://127.0.0.1:$HF_PORT,pid=$hf_pid")
-if [[ -n "${VLLM_URL:-}" ]]; then targets+=(--target "vllm=$VLLM_URL"); fi
+if [[ -n "${VLLM_URL:-}" ]]; then targets+=(--target "vllm=$VLLM_URL${VLLM_PID:+,pid=$VLLM_PID}"); fi
 
 # shellcheck disable=SC2086
 "$PY" -m pagedserve.bench "${targets[@]}" --workload "$WORKLOADS" --concurrency "$CONCURRENCY" \
