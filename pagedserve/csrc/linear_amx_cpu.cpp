@@ -19,6 +19,8 @@
 #include "amx_utils.h"
 #include "avx512_utils.h"
 
+torch::Tensor pack_linear_weight_vnni(torch::Tensor weight);  // linear_avx512_bf16_cpu.cpp
+
 namespace {
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
@@ -89,8 +91,8 @@ torch::Tensor pack_linear_weight_amx(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "weight must be bfloat16 [out, in]");
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "AMX linear needs out_features % 16 == 0 and in_features % 32 == 0, got ", N, " x ", K);
-  // [N/16, 16 (c), K/32, 16 (r), 2 (j)] -> [N/16, K/32, 16 (r), 16 (c), 2 (j)]
-  return weight.contiguous().view({N / 16, 16, K / 32, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous();
+  // The tile operands are the pair-interleaved slices [N/16, K/2, 16, 2] cut into 32-deep slices.
+  return pack_linear_weight_vnni(weight).view({N / 16, K / 32, 16, 16, 2});
 }
 
 torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
