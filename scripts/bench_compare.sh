@@ -12,6 +12,9 @@
 #   VLLM_URL=http://127.0.0.1:8002   add a running vLLM server as a third target (started by you)
 #   VLLM_PID=1234      its server process, for peak RSS of it and its children (else read from its /metrics)
 #   EXTRA="..."        more `pagedserve bench` flags, e.g. "--price-per-hour 0.10"
+#   BASELINE=0         leave the `--engine hf` baseline out (e.g. the steady-state runs of long and mixed
+#                      at concurrency 16 and 64 against vLLM: DURATION=240 WORKLOADS=long,mixed CONCURRENCY=64,16
+#                      EXTRA="--warmup-duration 120 --ramp-up 100")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench-out}
@@ -44,8 +47,11 @@ start() {  # start NAME PORT ARGS...: launch `pagedserve serve`, wait for /healt
 mkdir -p "$OUT"
 "$PY" scripts/roofline.py --json "$OUT/roofline.json" | tee "$OUT/roofline.txt"
 start paged "$PAGED_PORT" --dtype "$DTYPE" --kv-cache-memory "$KV_CACHE" --max-model-len 4096
-start hf "$HF_PORT" --engine hf --max-model-len 4096
-targets=(--target "pagedserve=http://127.0.0.1:$PAGED_PORT,pid=$paged_pid" --target "hf=http://127.0.0.1:$HF_PORT,pid=$hf_pid")
+targets=(--target "pagedserve=http://127.0.0.1:$PAGED_PORT,pid=$paged_pid")
+if [[ "${BASELINE:-1}" != 0 ]]; then
+  start hf "$HF_PORT" --engine hf --max-model-len 4096
+  targets+=(--target "hf=http://127.0.0.1:$HF_PORT,pid=$hf_pid")
+fi
 if [[ -n "${VLLM_URL:-}" ]]; then targets+=(--target "vllm=$VLLM_URL${VLLM_PID:+,pid=$VLLM_PID}"); fi
 
 # shellcheck disable=SC2086

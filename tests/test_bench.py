@@ -30,7 +30,7 @@ from pagedserve.bench.runner import BenchOptions, LoadPoint, Target, arrival_tim
 
 SUMMARY_FIELDS = (
     "completed", "failed", "incomplete", "duration_s", "request_throughput", "output_throughput", "total_token_throughput",
-    "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "peak_rss_bytes", "avg_rss_bytes", "memory_efficiency",
+    "ttft_ms", "ttft_started_ms", "started", "tpot_ms", "itl_ms", "e2el_ms", "peak_rss_bytes", "avg_rss_bytes", "memory_efficiency",
     "peak_kv_usage", "avg_kv_usage", "kv_efficiency", "cost_per_1k_output_tokens", "failures", "goodput",
 )
 
@@ -210,6 +210,18 @@ def test_summarize_goodput_and_failures():
     assert summary["total_token_throughput"] == pytest.approx(21.0)
     assert summary["goodput"] == pytest.approx(0.5)
     assert summary["tpot_ms"]["mean"] == pytest.approx((50.0 + 200.0) / 2)
+
+
+def test_summarize_counts_the_first_tokens_of_cut_off_requests():
+    """TTFT 'started' covers requests cut off at the window's end that got a first token; the completed-only TTFT does not."""
+    done = RequestFuncOutput(success=True, prompt_len=10, output_tokens=3, ttft=0.1, latency=0.3, itl=[0.1] * 2)
+    cut = RequestFuncOutput(prompt_len=500, output_tokens=4, ttft=0.9, itl=[0.1] * 3, error_reason="incomplete")
+    queued = RequestFuncOutput(prompt_len=500, error_reason="incomplete")  # no first token yet
+    summary = summarize([done, cut, queued], duration_s=1.0)
+    assert summary["completed"] == 1 and summary["incomplete"] == 2 and summary["started"] == 2
+    assert summary["ttft_ms"]["max"] == pytest.approx(100.0)
+    assert summary["ttft_started_ms"]["min"] == pytest.approx(100.0)
+    assert summary["ttft_started_ms"]["max"] == pytest.approx(900.0)
 
 
 def test_parse_prometheus():
@@ -498,6 +510,8 @@ def test_duration_window_cuts_off_running_requests(factory):
     # the tokens streamed inside the window still count as delivered throughput
     assert record["incomplete_output_tokens"] > 0
     assert record["output_throughput"] == pytest.approx(record["incomplete_output_tokens"] / record["duration_s"])
+    # their first tokens arrived inside the window: in the started-requests TTFT, not the completed one
+    assert record["started"] == 2 and record["ttft_started_ms"]["p50"] > 0 and record["ttft_ms"]["p50"] == 0
     assert len(results[0].warmup_outputs) == 1 and results[0].warmup_outputs[0].output_tokens == 16
 
 

@@ -107,7 +107,9 @@ def summarize(
 
     Requests cut off at the end of a ``--duration`` window count as ``incomplete``: neither
     completed nor failed and not in the latency figures, but the tokens they streamed inside
-    the window count in the token throughputs (tokens delivered per second of the window).
+    the window count in the token throughputs (tokens delivered per second of the window), and
+    those that got their first token count in ``ttft_started_ms``: where long requests outlive
+    the window, TTFT over completed requests alone is a small sample biased to the short ones.
     ``carried_output_tokens`` are those streamed inside the window by requests sent before it
     opened (``--warmup-duration``): in the throughputs too, not in the latencies.
     """
@@ -137,6 +139,8 @@ def summarize(
         "total_token_throughput": (total_input + total_output + cut_input + cut_output + carried_output_tokens)
         / duration_s,
         "ttft_ms": stats_ms([o.ttft for o in done]),
+        "ttft_started_ms": stats_ms([o.ttft for o in done + cut if o.ttft > 0]),
+        "started": len(done) + sum(1 for o in cut if o.ttft > 0),
         "tpot_ms": stats_ms(tpots),
         "itl_ms": stats_ms(itls),
         "e2el_ms": stats_ms([o.latency for o in done]),
