@@ -556,7 +556,10 @@ def test_ramp_up_starts_closed_loop_clients_one_by_one(factory):
     assert len(result.warmup_outputs) == 4 and not result.outputs
     starts = sorted(o.start_time for o in result.warmup_outputs)
     gaps = [later - earlier for earlier, later in zip(starts, starts[1:])]
-    assert all(gap >= 0.15 - 1e-3 for gap in gaps), gaps  # asyncio.sleep never wakes early
+    # 0.15 s apart nominally; each start is stamped inside the request function, after a scheduling
+    # delay of its own, so a gap can come out a little short of 0.15, never near 0 (all at once)
+    assert all(gap >= 0.1 for gap in gaps), gaps
+    assert starts[-1] - starts[0] >= 0.3, starts  # 0.45 nominally
     assert result.record["incomplete"] == 0 and result.record["warmup_carried_output_tokens"] > 0
 
 
