@@ -122,6 +122,7 @@ def summarize(
     cut_output = sum(o.output_tokens for o in cut)
     cut_input = sum(o.prompt_len for o in cut if o.ttft > 0)
     duration_s = max(duration_s, 1e-9)
+    started_ttfts = [o.ttft for o in done + cut if o.ttft > 0]
     tpots = [t for t in (request_tpot(o) for o in done) if t is not None]
     itls = [gap for o in done for gap in o.itl]
     reasons, examples = failure_reasons(outputs)
@@ -139,8 +140,8 @@ def summarize(
         "total_token_throughput": (total_input + total_output + cut_input + cut_output + carried_output_tokens)
         / duration_s,
         "ttft_ms": stats_ms([o.ttft for o in done]),
-        "ttft_started_ms": stats_ms([o.ttft for o in done + cut if o.ttft > 0]),
-        "started": len(done) + sum(1 for o in cut if o.ttft > 0),
+        "ttft_started_ms": stats_ms(started_ttfts),
+        "started": len(started_ttfts),
         "tpot_ms": stats_ms(tpots),
         "itl_ms": stats_ms(itls),
         "e2el_ms": stats_ms([o.latency for o in done]),

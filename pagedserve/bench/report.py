@@ -94,7 +94,7 @@ def comparisons(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "ttft_p50_ratio": latency("ttft", "p50"),
                 "ttft_p99_ratio": latency("ttft", "p99"),
                 "ttft_started_p99_ratio": _ratio(other["ttft_started_ms"]["p99"], base["ttft_started_ms"]["p99"])
-                if base.get("started") and other.get("started") else None,
+                if base["started"] and other["started"] else None,
                 "tpot_p50_ratio": latency("tpot", "p50"),
                 "tpot_p99_ratio": latency("tpot", "p99"),
                 "e2el_p99_ratio": latency("e2el", "p99"),
@@ -178,7 +178,7 @@ def _lat(record: dict[str, Any], metric: str, stat: str) -> str:
 
 def _started_ttft(record: dict[str, Any]) -> str:
     """TTFT P99 over every request that got its first token in the window, and how many did."""
-    if not record.get("started"):
+    if not record["started"]:
         return "-"
     return f"{_fmt(record['ttft_started_ms']['p99'])} ({record['started']})"
 
@@ -239,9 +239,8 @@ def comparison_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
 
     return [[
         c["workload"], c["point"], f"{c['target']} / {c['baseline']}", x(c["output_throughput_ratio"]),
-        x(c["ttft_p50_ratio"]), x(c["ttft_p99_ratio"]), x(c["ttft_started_p99_ratio"]), x(c["tpot_p50_ratio"]),
-        x(c["tpot_p99_ratio"]),
-        x(c["e2el_p99_ratio"]), x(c["peak_rss_ratio"]),
+        x(c["ttft_p50_ratio"]), x(c["ttft_p99_ratio"]), x(c["ttft_started_p99_ratio"]),
+        x(c["tpot_p50_ratio"]), x(c["tpot_p99_ratio"]), x(c["e2el_p99_ratio"]), x(c["peak_rss_ratio"]),
     ] for c in rows]
 
 
