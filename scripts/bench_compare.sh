@@ -11,6 +11,9 @@
 #   KV_CACHE=4GiB      pagedserve's KV cache
 #   VLLM_URL=http://127.0.0.1:8002   add a running vLLM server as a third target (started by you)
 #   VLLM_PID=1234      its server process, for peak RSS of it and its children (else read from its /metrics)
+#   VLLM_PYTHON=/tmp/vllm-venv/bin/python   with VLLM_URL: afterwards, issue 5's rows once more with vLLM's own
+#                      client (`vllm bench serve`, scripts/vllm_bench_table.py) on pagedserve and vLLM -> OUT/vllm-client
+#   VLLM_ROWS="--row 50:100:16:160 ..."      other rows for that table (default: issue 5's seven)
 #   EXTRA="..."        more `pagedserve bench` flags, e.g. "--price-per-hour 0.10"
 #   BASELINE=0         leave the `--engine hf` baseline out (e.g. the steady-state runs of long and mixed
 #                      at concurrency 16 and 64 against vLLM: DURATION=240 WORKLOADS=long,mixed CONCURRENCY=64,16
@@ -58,3 +61,12 @@ if [[ -n "${VLLM_URL:-}" ]]; then targets+=(--target "vllm=$VLLM_URL${VLLM_PID:+
 "$PY" -m pagedserve.bench "${targets[@]}" --workload "$WORKLOADS" --concurrency "$CONCURRENCY" \
   --duration "$DURATION" --drain-timeout 0 --ignore-eos --slo ttft:1s,tpot:100ms --output-dir "$OUT" ${EXTRA:-}
 echo "report: $OUT/report.md"
+
+if [[ -n "${VLLM_URL:-}" && -n "${VLLM_PYTHON:-}" ]]; then
+  "$PY" -c "import sys; from pagedserve.bench.datasets import load_tokenizer; load_tokenizer().save_pretrained(sys.argv[1])" \
+    "$OUT/tokenizer" > /dev/null
+  # shellcheck disable=SC2086
+  "$PY" scripts/vllm_bench_table.py --vllm-python "$VLLM_PYTHON" --tokenizer "$OUT/tokenizer" \
+    --target "pagedserve=http://127.0.0.1:$PAGED_PORT" --target "vllm=$VLLM_URL" --output-dir "$OUT/vllm-client" ${VLLM_ROWS:-}
+  echo "vLLM's client: $OUT/vllm-client/table.md"
+fi
