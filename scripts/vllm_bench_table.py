@@ -28,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pagedserve.bench.report import markdown_table
+
 LAUNCHER = Path(__file__).resolve().parent / "vllm_launcher.py"
 DEFAULT_ROWS = ("50:100:1:16", "50:100:16:160", "50:100:64:512", "200:500:16:64", "200:500:64:192",
                 "500:1000:16:48", "500:1000:64:128")
@@ -72,21 +74,23 @@ def run_one(args: argparse.Namespace, name: str, url: str, row: tuple[int, int, 
 
 def table(results: list[tuple[tuple[int, int, int, int], str, dict | None]], first: str) -> str:
     """Markdown: one line per (row, target), with ``first``'s throughput over each other target's on the same row."""
-    lines = ["| workload (in/out) | conc. | server | completed | output tok/s | " + first
-             + " / this | TTFT P50 / P99 ms | TPOT P50 / P99 ms |", "|---|---|---|---|---|---|---|---|"]
     base = {row: r["output_throughput"] for row, name, r in results if name == first and r}
+    rows = []
     for row, name, r in results:
         input_len, output_len, concurrency, _ = row
         workload = f"{WORKLOAD_NAMES.get((input_len, output_len), 'random')} ({input_len}/{output_len})"
         if r is None:
-            lines.append(f"| {workload} | {concurrency} | {name} | failed | - | - | - | - |")
+            rows.append([workload, str(concurrency), name, "failed", "-", "-", "-", "-"])
             continue
-        ratio = f"{base[row] / r['output_throughput']:.2f}x" if name != first and base.get(row) and r["output_throughput"] else "-"
-        lines.append(
-            f"| {workload} | {concurrency} | {name} | {r['completed']} | {r['output_throughput']:.1f} | {ratio} "
-            f"| {r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} |"
-        )
-    return "\n".join(lines)
+        has_ratio = name != first and base.get(row) and r["output_throughput"]
+        rows.append([
+            workload, str(concurrency), name, str(r["completed"]), f"{r['output_throughput']:.1f}",
+            f"{base[row] / r['output_throughput']:.2f}x" if has_ratio else "-",
+            f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f}", f"{r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f}",
+        ])
+    headers = ["workload (in/out)", "conc.", "server", "completed", "output tok/s", f"{first} / this",
+               "TTFT P50 / P99 ms", "TPOT P50 / P99 ms"]
+    return markdown_table(headers, rows)
 
 
 def main() -> None:
