@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
@@ -77,7 +77,9 @@ class _EngineStateCollector:
 class Metrics:
     """All of one server's metrics in their own registry (no process-global state)."""
 
-    def __init__(self, model_name: str, get_stats: Callable[[], SchedulerStats]) -> None:
+    def __init__(
+        self, model_name: str, get_stats: Callable[[], SchedulerStats], block_size: int = 0, num_kv_blocks: int = 0
+    ) -> None:
         self.model_name = model_name
         self.registry = registry = CollectorRegistry()
         ProcessCollector(registry=registry)
@@ -85,6 +87,9 @@ class Metrics:
         GCCollector(registry=registry)
         registry.register(_EngineStateCollector(model_name, get_stats))
         label = ["model_name"]
+        if num_kv_blocks > 0:  # the paged cache's shape, as vLLM's cache_config_info (turns usage into tokens)
+            Gauge(PREFIX + "cache_config_info", "Information of the KV cache config.", ["block_size", "num_gpu_blocks"],
+                  registry=registry).labels(str(block_size), str(num_kv_blocks)).set(1)
 
         def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
             return Counter(PREFIX + name, doc, label + (extra or []), registry=registry)
@@ -106,6 +111,15 @@ class Metrics:
                              LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Histogram of time spent in the WAITING phase for request.", LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "Histogram of time spent in the PREFILL phase for request.", LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds",
+                                     "Histogram of time spent in the DECODE phase for request.", LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds",
+                                        "Histogram of time spent in the RUNNING phase for request.", LATENCY_BUCKETS)
+        self.time_per_output_token = histogram("request_time_per_output_token_seconds",
+                                               "Histogram of the mean time per output token of each request, "
+                                               "decode time / (generation tokens - 1).", ITL_BUCKETS)
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens per request.",
                                                TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("request_generation_tokens",
@@ -131,6 +145,13 @@ class Metrics:
             self.e2e.observe(finished.e2e_latency)
             if finished.queue_time is not None:
                 self.queue_time.observe(max(finished.queue_time, 0.0))
+            for histogram, value in ((self.prefill_time, finished.prefill_time),
+                                     (self.decode_time, finished.decode_time),
+                                     (self.inference_time, finished.inference_time)):
+                if value is not None:
+                    histogram.observe(max(value, 0.0))
+            if finished.time_per_output_token is not None:
+                self.time_per_output_token.observe(finished.time_per_output_token)
             self.request_prompt_tokens.observe(finished.num_prompt_tokens)
             self.request_generation_tokens.observe(finished.num_generation_tokens)
             self.request_params_n.observe(finished.n)

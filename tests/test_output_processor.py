@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from pagedserve.engine.messages import EngineCoreOutput
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.outputs import FinishReason, TokenLogprob
@@ -135,6 +137,34 @@ def test_abort_forgets_request_and_counts_it(tokenizer):
     assert stats.num_generation_tokens == len(tokenizer.encode("partial"))
     assert len(stats.time_to_first_tokens) == 1
     assert len(stats.inter_token_latencies) == stats.num_generation_tokens - 1
+
+
+def test_finished_stats_split_the_request_into_vllms_phases(tokenizer):
+    """queue (arrival -> scheduled), prefill (-> first token), decode (-> last token), per-token time."""
+    processor = OutputProcessor(tokenizer, log_stats=True)
+    arrival = time.monotonic() - 2.0
+    processor.add_request("r", None, [1, 2], SamplingParams(n=2), arrival, cumulative=False)
+    tok = tokenizer.encode("x")[0]
+    processor.process_outputs([EngineCoreOutput("r", 0, [tok], first_scheduled_time=arrival + 0.5),
+                               EngineCoreOutput("r", 1, [tok])])
+    for _ in range(3):  # the second sample runs longer: 4 tokens against 2
+        time.sleep(0.01)
+        processor.process_outputs([EngineCoreOutput("r", 1, [tok])])
+    processor.process_outputs([EngineCoreOutput("r", 0, [tok], finish_reason=FinishReason.STOP)])
+    time.sleep(0.01)
+    processor.process_outputs([EngineCoreOutput("r", 1, [], finish_reason=FinishReason.LENGTH)])
+    (finished,) = processor.take_iteration_stats().finished_requests
+    assert finished.queue_time == pytest.approx(0.5) and finished.num_generation_tokens == 6
+    assert finished.prefill_time >= 1.5 and finished.decode_time >= 0.03
+    assert finished.inference_time == pytest.approx(finished.prefill_time + finished.decode_time)
+    assert finished.e2e_latency >= finished.queue_time + finished.inference_time + 0.009  # the empty final output
+    assert finished.time_per_output_token == finished.decode_time / 3  # the longest sample's 4 tokens
+
+    processor.add_request("q", None, [1], SamplingParams(), time.monotonic(), cumulative=False)
+    processor.abort_request("q")  # never scheduled: no phase but the whole life
+    (aborted,) = processor.take_iteration_stats().finished_requests
+    assert aborted.queue_time is None and aborted.prefill_time is None and aborted.decode_time is None
+    assert aborted.inference_time is None and aborted.time_per_output_token is None
 
 
 def test_prompt_logprobs_sent_once_in_delta_mode(tokenizer):

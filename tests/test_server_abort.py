@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from pagedserve.bench.monitor import parse_cache_config
 from tests.utils import parse_metrics
 
 pytestmark = pytest.mark.slow
@@ -49,6 +50,10 @@ def test_metrics_names_and_counts(server, client):
                  "request_queue_time_seconds"):
         assert f"pagedserve:{name}_count{LABEL}" in after
     assert "process_resident_memory_bytes" in after
+    info = [key for key in after if key.startswith("pagedserve:cache_config_info{")]
+    assert len(info) == 1 and after[info[0]] == 1.0
+    shape = parse_cache_config(f"{info[0]} 1.0\n")  # vLLM's label names: block_size, num_gpu_blocks
+    assert shape is not None and shape["num_gpu_blocks"] > 0 and shape["block_size"] > 0
 
     def delta(name: str) -> float:
         return after[name] - before.get(name, 0.0)
@@ -59,6 +64,12 @@ def test_metrics_names_and_counts(server, client):
     assert delta(f"pagedserve:time_to_first_token_seconds_count{LABEL}") == 3
     assert delta(f"pagedserve:e2e_request_latency_seconds_count{LABEL}") == 3
     assert delta(f"pagedserve:inter_token_latency_seconds_count{LABEL}") == 3 * 4
+    for name in ("queue_time", "prefill_time", "decode_time", "inference_time", "time_per_output_token"):
+        assert delta(f"pagedserve:request_{name}_seconds_count{LABEL}") == 3
+    prefill, decode, inference = (delta(f"pagedserve:request_{phase}_time_seconds_sum{LABEL}")
+                                  for phase in ("prefill", "decode", "inference"))
+    assert prefill > 0 and decode > 0 and inference == pytest.approx(prefill + decode)  # per request, summed
+    assert inference <= delta(f"pagedserve:e2e_request_latency_seconds_sum{LABEL}")
     assert delta(f"pagedserve:prompt_tokens_total{LABEL}") > 0
     busy, forward = delta(f"pagedserve:engine_busy_seconds_total{LABEL}"), delta(f"pagedserve:model_forward_seconds_total{LABEL}")
     assert 0 < forward <= busy  # the forward is part of the busy time, never more

@@ -27,6 +27,11 @@ class FinishedRequestStats:
     num_generation_tokens: int
     n: int
     max_tokens: int | None
+    # vLLM's phases: scheduled -> first token (prefill), first -> last token (decode), scheduled -> last token
+    prefill_time: float | None = None
+    decode_time: float | None = None
+    inference_time: float | None = None
+    time_per_output_token: float | None = None  # decode time / (the longest sample's tokens - 1)
 
 
 @dataclass(slots=True)
@@ -268,6 +273,9 @@ class OutputProcessor:
             # The request's reason: that of its first sample (n > 1 rarely differs).
             reason = state.samples[0].finish_reason or FinishReason.STOP
         metrics = state.metrics
+        scheduled, first_token = metrics.first_scheduled_time, metrics.first_token_time
+        last_token = max(s.last_token_time for s in state.samples) if first_token is not None else None
+        longest = max(len(s.token_ids) for s in state.samples)
         self._stats.finished_requests.append(
             FinishedRequestStats(
                 finish_reason=reason,
@@ -277,5 +285,10 @@ class OutputProcessor:
                 num_generation_tokens=sum(len(s.token_ids) for s in state.samples),
                 n=state.params.n,
                 max_tokens=state.params.max_tokens,
+                prefill_time=None if first_token is None or scheduled is None else first_token - scheduled,
+                decode_time=None if last_token is None else last_token - first_token,
+                inference_time=None if last_token is None or scheduled is None else last_token - scheduled,
+                time_per_output_token=None if last_token is None or longest < 2
+                else (last_token - first_token) / (longest - 1),
             )
         )

@@ -210,7 +210,8 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI app over a (not yet started) AsyncLLM. Its lifespan warms up and starts the engine."""
     server_state = server_state or ServerState()
-    metrics = Metrics(serving_config.model_name, engine.get_stats)
+    metrics = Metrics(serving_config.model_name, engine.get_stats, engine.model_info.block_size,
+                      engine.model_info.num_kv_blocks)
     engine.stat_observers.append(metrics.record)
     stats_line = StatsLogLine(engine.get_stats)
     engine.stat_observers.append(stats_line.record)
