@@ -16,8 +16,9 @@ import pytest
 
 from pagedserve.bench import cli
 from pagedserve.bench.datasets import WORKLOADS, PromptFactory, RequestSource, encode
+from pagedserve.bench.kv_demand import demand_tokens, kv_demand_summary
 from pagedserve.bench.metrics import parse_slo, stats_ms, summarize, tokens_streamed_after
-from pagedserve.bench.monitor import parse_prometheus
+from pagedserve.bench.monitor import parse_cache_config, parse_prometheus
 from pagedserve.bench.report import build_summary, terminal_report, write_outputs
 from pagedserve.bench.request_funcs import (
     RequestFuncInput,
@@ -32,6 +33,8 @@ SUMMARY_FIELDS = (
     "completed", "failed", "incomplete", "duration_s", "request_throughput", "output_throughput", "total_token_throughput",
     "ttft_ms", "ttft_started_ms", "started", "tpot_ms", "itl_ms", "e2el_ms", "peak_rss_bytes", "avg_rss_bytes", "memory_efficiency",
     "peak_kv_usage", "avg_kv_usage", "kv_efficiency", "cost_per_1k_output_tokens", "failures", "goodput",
+    "peak_kv_demand_tokens", "avg_kv_demand_tokens", "kv_demand_efficiency", "kv_block_size", "kv_num_blocks",
+    "kv_allocated_per_needed",
 )
 
 
@@ -102,7 +105,8 @@ def _fake_server(delay: float = 0.002, split: int = 7, usage: bool = True, bad_k
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": "fake-model"}]})
         if request.url.path == "/metrics":
-            return httpx.Response(200, text="process_resident_memory_bytes 1.5e8\npagedserve:kv_cache_usage_perc{m=\"x\"} 0.25\n")
+            return httpx.Response(200, text="process_resident_memory_bytes 1.5e8\npagedserve:kv_cache_usage_perc{m=\"x\"} 0.25\n"
+                                  'vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="100"} 1.0\n')
         if request.url.path == "/version":
             return httpx.Response(200, json={"version": "0.0-fake"})
         if bad_key and request.headers.get("authorization") == f"Bearer {bad_key}":
@@ -231,6 +235,46 @@ def test_parse_prometheus():
     assert values == {"process_resident_memory_bytes": 1.2e9, "pagedserve:kv_cache_usage_perc": 0.5}
 
 
+def test_parse_cache_config():
+    vllm = ('# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
+            'vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",'
+            'note="a \\"quoted\\" {x}",num_gpu_blocks="1456",num_cpu_blocks="None"} 1.0\n')
+    assert parse_cache_config(vllm) == {"block_size": 128, "num_gpu_blocks": 1456}
+    ours = 'pagedserve:cache_config_info{block_size="16",num_gpu_blocks="90"} 1.0\n'
+    assert parse_cache_config("x 1\n" + ours) == {"block_size": 16, "num_gpu_blocks": 90}
+    assert parse_cache_config('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n') is None
+    assert parse_cache_config("pagedserve:kv_cache_usage_perc 0.5\n") is None
+
+
+def test_kv_demand_is_the_context_of_the_requests_in_flight():
+    """Each request holds its prompt plus the tokens streamed so far, from its first token to its end."""
+    done = RequestFuncOutput(success=True, prompt_len=10, output_tokens=5, start_time=0.0, ttft=1.0,
+                             itl=[1.0] * 4, latency=5.5)  # chunks at 1, 2, 3, 4, 5; ends at 5.5
+    cut = RequestFuncOutput(success=False, error_reason="incomplete", prompt_len=20, output_tokens=1,
+                            start_time=2.0, ttft=1.0)  # first token at 3, still running when the window ends
+    failed = RequestFuncOutput(success=False, error_reason="HTTP 500", prompt_len=99, start_time=0.0)
+    pairs = RequestFuncOutput(success=True, prompt_len=3, output_tokens=4, start_time=0.0, ttft=0.5, itl=[0.5],
+                              latency=1.2)  # two tokens per chunk, chunks at 0.5 and 1.0
+    outputs = [done, cut, failed, pairs]
+    times = [0.2, 0.5, 1.0, 2.5, 5.2, 5.5, 9.0]
+    expected = [0, 3 + 2, 11 + 3 + 4, 12, 15 + 21, 21, 21]
+    assert demand_tokens(outputs, times, window_end=10.0) == expected
+    assert demand_tokens(outputs, [9.0], window_end=8.0) == [0]  # the cut request ended with the window
+    usage = [0.1] * len(times)  # 16 tokens allocated at each instant (1 of 10 blocks of 16)
+    summary = kv_demand_summary(outputs, times, usage, 10.0, {"block_size": 16, "num_gpu_blocks": 10})
+    assert summary["peak_kv_demand_tokens"] == 36
+    assert summary["avg_kv_demand_tokens"] == pytest.approx(sum(expected) / len(times))
+    assert summary["kv_demand_efficiency"] == pytest.approx(sum(expected) / len(times) / 36)
+    assert summary["kv_allocated_per_needed"] == pytest.approx(16 * len(times) / sum(expected))
+    assert (summary["kv_block_size"], summary["kv_num_blocks"]) == (16, 10)
+    bare = kv_demand_summary(outputs, times, [], 10.0, None)  # no KV gauge, no cache shape
+    assert bare["kv_demand_efficiency"] == summary["kv_demand_efficiency"]
+    assert bare["kv_allocated_per_needed"] is None and bare["kv_block_size"] is None
+    idle = kv_demand_summary([failed], times, usage, 10.0, {"block_size": 16, "num_gpu_blocks": 10})
+    assert idle["peak_kv_demand_tokens"] == 0 and idle["kv_demand_efficiency"] is None
+    assert idle["kv_allocated_per_needed"] is None and idle["kv_block_size"] == 16
+
+
 # ---- arrivals ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rate,burstiness", [(5.0, 1.0), (20.0, 0.5), (2.0, 4.0)])
@@ -326,6 +370,7 @@ def test_sweep_summary_report_and_plots(tmp_path, factory):
             assert record["completed"] == 6 and record["failed"] == 0
             assert record["total_output_tokens"] == 24 and record["peak_rss_bytes"] == 1.5e8
             assert record["kv_efficiency"] == 1.0 and record["cost_per_1k_output_tokens"] > 0
+            assert (record["kv_block_size"], record["kv_num_blocks"]) == (16, 100)  # vLLM's cache_config_info
         else:
             assert record["completed"] == 0 and record["failures"] == {"HTTP 401": 6}
     assert {c["target"] for c in summary["comparisons"]} == {"b"}  # c has nothing to compare
@@ -435,6 +480,12 @@ def test_bench_against_server_fields_tokens_failures_report(server, tmp_path):
         bad = records[("wrongkey", point)]
         assert bad["completed"] == 0 and bad["failed"] == 6 and bad["failures"] == {"HTTP 401": 6}
     assert [c["target"] for c in summary["comparisons"]] == []  # nothing to compare with a dead target
+    shape = parse_cache_config(httpx.get(server.url + "/metrics", timeout=30).text)
+    assert shape is not None and shape["block_size"] > 0 and shape["num_gpu_blocks"] > 0
+    for point in ("c=1", "c=4"):
+        record = records[("paged", point)]
+        assert (record["kv_block_size"], record["kv_num_blocks"]) == (shape["block_size"], shape["num_gpu_blocks"])
+        assert record["peak_kv_demand_tokens"] is not None
     report = (tmp_path / "report.md").read_text()
     assert "## Throughput (output tokens/s)" in report and "HTTP 401" in report
     assert {"scaling_short.png", "latency_cdf_short.png", "ttft_vs_input_len.png"} <= set(os.listdir(tmp_path / "plots"))

@@ -2,13 +2,17 @@
 
 Memory comes from ``psutil`` (the server's pid plus all its children) when a pid is given,
 else from the ``process_resident_memory_bytes`` gauge of the server's Prometheus ``/metrics``.
-KV usage comes from ``pagedserve:kv_cache_usage_perc`` (or vLLM's gauges) when exposed.
-Efficiency is the articles' measure: average / peak over the measured phase.
+KV usage comes from ``pagedserve:kv_cache_usage_perc`` (or vLLM's gauges) when exposed, and the
+cache's shape (block size, block count) from ``cache_config_info``. Efficiency is the articles'
+measure: average / peak over the measured phase. Each sample's time is kept, so that the KV the
+requests needed at those instants can be rebuilt afterwards (``kv_demand``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
+import time
 from typing import Any
 
 import httpx
@@ -16,6 +20,8 @@ import httpx
 
 RSS_METRICS = ("process_resident_memory_bytes",)
 KV_METRICS = ("pagedserve:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+CACHE_CONFIG_METRICS = ("pagedserve:cache_config_info", "vllm:cache_config_info")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def parse_prometheus(text: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -36,6 +42,22 @@ def parse_prometheus(text: str, names: tuple[str, ...]) -> dict[str, float]:
             continue
         values[name] = max(value, values.get(name, value))
     return values
+
+
+def parse_cache_config(text: str) -> dict[str, int] | None:
+    """``block_size`` and ``num_gpu_blocks`` from a ``cache_config_info`` line's labels, if exposed."""
+    for line in text.splitlines():
+        name, brace, labels = line.partition("{")
+        if not brace or name not in CACHE_CONFIG_METRICS:
+            continue
+        found = dict(_LABEL.findall(labels))
+        try:
+            config = {"block_size": int(found["block_size"]), "num_gpu_blocks": int(found["num_gpu_blocks"])}
+        except (KeyError, ValueError):
+            continue
+        if config["block_size"] > 0 and config["num_gpu_blocks"] > 0:
+            return config
+    return None
 
 
 def process_tree_rss(pid: int) -> int | None:
@@ -67,12 +89,17 @@ class ServerMonitor:
         self.interval = interval
         self.rss: list[float] = []
         self.kv: list[float] = []
+        self.sample_times: list[float] = []  # perf_counter of every sample
+        self.kv_times: list[float] = []  # perf_counter of the samples in ``kv``
+        self.cache_config: dict[str, int] | None = None
         self.rss_source: str | None = None
         self._metrics_ok = metrics_url is not None
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
 
     async def sample(self) -> None:
+        now = time.perf_counter()
+        self.sample_times.append(now)
         rss = process_tree_rss(self.pid) if self.pid else None
         if rss is not None:
             self.rss.append(float(rss))
@@ -93,7 +120,10 @@ class ServerMonitor:
         for name in KV_METRICS:
             if name in values:
                 self.kv.append(values[name])
+                self.kv_times.append(now)
                 break
+        if self.cache_config is None:
+            self.cache_config = parse_cache_config(response.text)
 
     async def _run(self, delay: float) -> None:
         if delay > 0:

@@ -209,7 +209,7 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
 _RESULT_HEADERS = [
     "target", "workload", "load", "ok", "fail", "cut", "req/s", "out tok/s", "tot tok/s",
     "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99", "E2E p50", "E2E p99",
-    "peak RSS MiB", "mem eff", "KV eff", "goodput", "$/1k tok",
+    "peak RSS MiB", "mem eff", "KV eff", "need eff", "goodput", "$/1k tok",
 ]
 
 
@@ -222,7 +222,7 @@ def result_rows(records: list[dict[str, Any]]) -> list[list[str]]:
             _lat(r, "ttft", "p50"), _lat(r, "ttft", "p99"), _lat(r, "tpot", "p50"), _lat(r, "tpot", "p99"),
             _lat(r, "itl", "p99"), _lat(r, "e2el", "p50"), _lat(r, "e2el", "p99"),
             _mib(r["peak_rss_bytes"]), _pct(r["memory_efficiency"]), _pct(r["kv_efficiency"]),
-            _fmt(r["goodput"], 2), _fmt(r["cost_per_1k_output_tokens"], 5),
+            _pct(r.get("kv_demand_efficiency")), _fmt(r["goodput"], 2), _fmt(r["cost_per_1k_output_tokens"], 5),
         ])
     return rows
 
@@ -291,12 +291,19 @@ def markdown_report(summary: dict[str, Any], plots: list[tuple[str, str]]) -> st
                      _lat(r, "tpot", "p50"), _lat(r, "tpot", "p99"), _lat(r, "itl", "p99")])
     out += [markdown_table(["System", "Workload", "Load", "E2E P50", "E2E P90", "E2E P99", "TTFT P50", "TTFT P99",
                             "TTFT P99 started (n)", "TPOT P50", "TPOT P99", "ITL P99"], rows), ""]
-    out += ["## Memory", "", "Server resident memory and KV-cache usage; efficiency = average / peak.", ""]
+    out += ["## Memory", "",
+            "Server resident memory and KV-cache usage; efficiency = average / peak. KV needed: the context "
+            "(prompt + tokens streamed so far) of the requests in flight at the same instants, from the client's "
+            "records; its efficiency is what an allocator that wastes nothing would show under this load. "
+            "Allocated / needed: the server's KV usage in tokens (from its block size and count) over that need.", ""]
     rows = [[r["target"], r["workload"], r["point"], _mib(r["peak_rss_bytes"]), _mib(r["avg_rss_bytes"]),
-             _pct(r["memory_efficiency"]), _pct(r["peak_kv_usage"]), _pct(r["avg_kv_usage"]), _pct(r["kv_efficiency"])]
+             _pct(r["memory_efficiency"]), _pct(r["peak_kv_usage"]), _pct(r["avg_kv_usage"]), _pct(r["kv_efficiency"]),
+             _fmt(r.get("peak_kv_demand_tokens"), 0), _pct(r.get("kv_demand_efficiency")),
+             _fmt(r.get("kv_allocated_per_needed"), 2)]
             for r in records]
     out += [markdown_table(["System", "Workload", "Load", "Peak RSS (MiB)", "Avg RSS (MiB)", "Memory efficiency",
-                            "Peak KV", "Avg KV", "KV efficiency"], rows), ""]
+                            "Peak KV", "Avg KV", "KV efficiency", "Peak KV needed (tokens)", "KV needed efficiency",
+                            "Allocated / needed"], rows), ""]
     if any(r["cost_per_1k_output_tokens"] is not None for r in records):
         out += [f"## Cost per 1k output tokens (at ${summary['settings'].get('price_per_hour')}/hour)", ""]
         rows = [[t] + [_fmt(index[(t, w, p)]["cost_per_1k_output_tokens"], 5) if (t, w, p) in index else "-"

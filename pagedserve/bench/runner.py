@@ -20,6 +20,7 @@ import httpx
 import numpy as np
 
 from pagedserve.bench.datasets import PromptFactory, RequestSource, SampleRequest
+from pagedserve.bench.kv_demand import kv_demand_summary
 from pagedserve.bench.metrics import cost_per_1k_output_tokens, fill_token_counts, summarize, tokens_streamed_after
 from pagedserve.bench.monitor import ServerMonitor
 from pagedserve.bench.request_funcs import (
@@ -350,7 +351,11 @@ async def run_point(
     fill_token_counts(outputs + steady_warmup, tokenizer)
     carried = sum(tokens_streamed_after(output, 0.0) for output in steady_warmup)
     warmup_outputs.extend(steady_warmup)
+    sampled = monitor.kv_times or monitor.sample_times  # the KV samples' instants, else the memory samples'
+    demand = kv_demand_summary(outputs + warmup_outputs, [t - opens for t in sampled],
+                               monitor.kv if monitor.kv_times else [], duration, monitor.cache_config)
     record = _record(target, model, workload, point, seed, outputs, duration, monitor, options, carried)
+    record.update(demand)
     return PointResult(target, workload, point, seed, outputs, warmup_outputs, record)
 
 

@@ -1,0 +1,81 @@
+"""The KV cache a benchmark's requests needed, rebuilt from the client's own records.
+
+KV efficiency (average / peak of the server's KV usage) mixes two things: how the load's need for
+cache rises and falls (clients whose requests grow and end), and what the server's allocator adds
+to it (whole blocks, blocks held after a request ends). This module measures the first one alone, so
+a report can tell them apart: at each instant the server's KV usage was sampled, every request in
+flight needs its prompt plus the tokens streamed so far. A request counts from its first streamed
+token (before that it may be queued, holding nothing) to its end (the window's end for one cut off
+there); failed requests hold nothing. With the server's block size and block count (vLLM's
+``cache_config_info``), the sampled usage becomes tokens, and allocated / needed shows the
+allocator's overhead (partly filled last blocks; under 1 where requests share prefix blocks).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterable
+from typing import Any
+
+from pagedserve.bench.request_funcs import INCOMPLETE, RequestFuncOutput
+
+
+class _Life:
+    """One request's context length over time: ``prompt_len`` plus the tokens streamed by then."""
+
+    __slots__ = ("prompt_len", "arrivals", "tokens_per_chunk", "end")
+
+    def __init__(self, output: RequestFuncOutput, window_end: float) -> None:
+        self.prompt_len = output.prompt_len
+        first = output.start_time + output.ttft
+        self.arrivals = list(itertools.accumulate(output.itl, initial=first))  # one time per streamed chunk
+        self.tokens_per_chunk = output.output_tokens / len(self.arrivals) if output.output_tokens > 0 else 1.0
+        self.end = window_end if output.error_reason == INCOMPLETE else output.start_time + output.latency
+
+    def tokens_at(self, t: float) -> int:
+        if t < self.arrivals[0] or t >= self.end:
+            return 0
+        chunks = bisect.bisect_right(self.arrivals, t)
+        return self.prompt_len + round(chunks * self.tokens_per_chunk)
+
+
+def _lives(outputs: Iterable[RequestFuncOutput], window_end: float) -> list[_Life]:
+    lives = []
+    for output in outputs:
+        if output.ttft <= 0 or not (output.success or output.error_reason == INCOMPLETE):
+            continue
+        lives.append(_Life(output, window_end))
+    return lives
+
+
+def demand_tokens(outputs: Iterable[RequestFuncOutput], times: list[float], window_end: float) -> list[int]:
+    """Tokens of context held by the requests in flight at each of ``times`` (the clock of ``start_time``)."""
+    lives = _lives(outputs, window_end)
+    return [sum(life.tokens_at(t) for life in lives) for t in times]
+
+
+def kv_demand_summary(
+    outputs: Iterable[RequestFuncOutput],
+    times: list[float],
+    kv_usage: list[float],
+    window_end: float,
+    cache_config: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """Demand efficiency over the instants ``times`` at which ``kv_usage`` (0..1) was sampled, and,
+    with ``cache_config`` (``block_size``, ``num_gpu_blocks``), the allocated tokens per needed token."""
+    demand = demand_tokens(outputs, times, window_end)
+    peak = max(demand, default=0)
+    average = sum(demand) / len(demand) if demand else None
+    summary: dict[str, Any] = {
+        "peak_kv_demand_tokens": peak if demand else None,
+        "avg_kv_demand_tokens": average,
+        "kv_demand_efficiency": average / peak if peak else None,
+        "kv_block_size": cache_config["block_size"] if cache_config else None,
+        "kv_num_blocks": cache_config["num_gpu_blocks"] if cache_config else None,
+        "kv_allocated_per_needed": None,
+    }
+    if cache_config and len(kv_usage) == len(demand) and sum(demand) > 0:
+        allocated = sum(kv_usage) * cache_config["num_gpu_blocks"] * cache_config["block_size"]
+        summary["kv_allocated_per_needed"] = allocated / sum(demand)
+    return summary
