@@ -11,12 +11,12 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-from pagedserve.engine.messages import SchedulerStats
+from pagedserve.engine.messages import ITERATION_TOKEN_BUCKETS, SchedulerStats
 from pagedserve.engine.output_processor import IterationStats
 
 logger = logging.getLogger("pagedserve.stats")
@@ -72,6 +72,16 @@ class _EngineStateCollector:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             counter.add_metric(value, number)
             yield counter
+        if stats.iteration_token_counts:  # the paged engine's steps
+            histogram = HistogramMetricFamily(PREFIX + "iteration_tokens_total",
+                                              "Histogram of the number of tokens per engine step.", labels=labels)
+            bounds = [str(float(bound)) for bound in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
+            cumulative, buckets = 0, []
+            for bound, count in zip(bounds, stats.iteration_token_counts):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            histogram.add_metric(value, buckets, stats.iteration_tokens_sum)
+            yield histogram
 
 
 class Metrics:

@@ -10,6 +10,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request
 from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.engine.messages import ITERATION_TOKEN_BUCKETS
 from pagedserve.outputs import FinishReason
 from pagedserve.sampling_params import SamplingParams
 
@@ -75,6 +76,28 @@ def test_token_budget_and_chunked_prefill():
     assert scheduled_ids(sched) == {"a": 1, "b": 4}  # decode first, then the rest of b's prompt
     assert sched.scheduled[0].request.request_id == "a"
     assert {o.request_id for o in outputs} == {"a", "b"}
+
+
+def test_stats_count_steps_by_their_tokens():
+    """vLLM's iteration_tokens_total: per bucket (upper bounds, then one past them all), and the sum."""
+    scheduler = make_scheduler(budget=16)
+    scheduler.add_request(make_request("a", 10))
+    scheduler.add_request(make_request("b", 10))
+    sizes = []
+    while scheduler.has_unfinished_requests():
+        sched, _ = run_step(scheduler)
+        sizes.append(sched.num_batched_tokens)
+    assert sizes[:2] == [16, 5]
+    stats = scheduler.get_stats()
+    assert len(stats.iteration_token_counts) == len(ITERATION_TOKEN_BUCKETS) + 1
+    expected = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+    for size in sizes:  # the first bound at or above the step's tokens
+        expected[next(i for i, bound in enumerate(ITERATION_TOKEN_BUCKETS) if size <= bound)] += 1
+    assert list(stats.iteration_token_counts) == expected and expected[4] >= 1  # 16 -> le=16, 5 -> le=8
+    assert stats.iteration_tokens_sum == sum(sizes) and sum(expected) == stats.num_steps == len(sizes)
+    scheduler.reset_counters()
+    stats = scheduler.get_stats()
+    assert stats.iteration_tokens_sum == 0 and not any(stats.iteration_token_counts)
 
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget():

@@ -70,6 +70,10 @@ def test_metrics_names_and_counts(server, client):
                                   for phase in ("prefill", "decode", "inference"))
     assert prefill > 0 and decode > 0 and inference == pytest.approx(prefill + decode)  # per request, summed
     assert inference <= delta(f"pagedserve:e2e_request_latency_seconds_sum{LABEL}")
+    # one request at a time: a prefill step (the prompt) and 4 one-token decode steps each
+    assert delta(f"pagedserve:iteration_tokens_total_count{LABEL}") == 3 * 5
+    assert delta(f"pagedserve:iteration_tokens_total_sum{LABEL}") == delta(f"pagedserve:prompt_tokens_total{LABEL}") + 3 * 4
+    assert delta(f'pagedserve:iteration_tokens_total_bucket{{le="1.0",model_name="{MODEL}"}}') == 3 * 4
     assert delta(f"pagedserve:prompt_tokens_total{LABEL}") > 0
     busy, forward = delta(f"pagedserve:engine_busy_seconds_total{LABEL}"), delta(f"pagedserve:model_forward_seconds_total{LABEL}")
     assert 0 < forward <= busy  # the forward is part of the busy time, never more

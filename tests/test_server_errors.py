@@ -202,7 +202,7 @@ def test_request_head_limit_is_exact_and_holds_for_trickled_heads(server):
     many = _head("".join(f"X-H{i}: {'b' * 1000}\r\n" for i in range(70)))  # each header small, 70 KB in all
     assert _raw_exchange(server, [many]).startswith(b"HTTP/1.1 431")
     # one header value that never ends: refused after the limit, not buffered for ever
-    endless = [f"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Endless: ".encode()] + [b"c" * 8192] * 64
+    endless = ["GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Endless: ".encode()] + [b"c" * 8192] * 64
     answer = _raw_exchange(server, endless)
     assert answer == b"" or answer.startswith(b"HTTP/1.1 431"), answer[:100]
     assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200

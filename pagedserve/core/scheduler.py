@@ -10,6 +10,7 @@ preempted: its blocks are freed and it goes back to the front of the queue to be
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 
@@ -17,7 +18,7 @@ from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pagedserve.engine.messages import EngineCoreOutput, SchedulerStats
+from pagedserve.engine.messages import ITERATION_TOKEN_BUCKETS, EngineCoreOutput, SchedulerStats
 from pagedserve.outputs import FinishReason
 
 
@@ -35,7 +36,8 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_steps = 0
-        self._step_num_tokens: list[int] = []
+        self._iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self._iteration_tokens_sum = 0
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -127,7 +129,8 @@ class Scheduler:
         """Advance progress, cache full blocks, append sampled tokens, finish and free requests."""
         outputs: list[EngineCoreOutput] = []
         self.num_steps += 1
-        self._step_num_tokens.append(sched.num_batched_tokens)
+        self._iteration_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, sched.num_batched_tokens)] += 1
+        self._iteration_tokens_sum += sched.num_batched_tokens
         for item, tokens, logprobs, prompt_logprobs in zip(
             sched.scheduled, result.sampled_token_ids, result.logprobs, result.prompt_logprobs
         ):
@@ -154,7 +157,6 @@ class Scheduler:
         return outputs
 
     def get_stats(self) -> SchedulerStats:
-        step_tokens, self._step_num_tokens = self._step_num_tokens, []
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -167,13 +169,15 @@ class Scheduler:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_steps=self.num_steps,
-            step_num_tokens=step_tokens,
+            iteration_token_counts=tuple(self._iteration_token_counts),
+            iteration_tokens_sum=self._iteration_tokens_sum,
         )
 
     def reset_counters(self) -> None:
         """Zero the cumulative counters (after warm-up, so metrics count only real traffic)."""
         self.num_preemptions = self.num_prompt_tokens = self.num_generation_tokens = self.num_steps = 0
-        self._step_num_tokens = []
+        self._iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self._iteration_tokens_sum = 0
         self.kv_cache.prefix_cache_queries = self.kv_cache.prefix_cache_hits = 0
 
     # ----------------------------------------------------------------- helpers

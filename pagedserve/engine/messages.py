@@ -38,6 +38,9 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None  # monotonic; sent with the first output
 
 
+ITERATION_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @dataclass(slots=True)
 class SchedulerStats:
     """A snapshot of the scheduler and KV cache for metrics and logs (counters are cumulative)."""
@@ -53,7 +56,10 @@ class SchedulerStats:
     num_prompt_tokens: int = 0  # prompt tokens computed (excludes cache hits)
     num_generation_tokens: int = 0
     num_steps: int = 0
-    step_num_tokens: list[int] = field(default_factory=list)  # tokens per step since the last snapshot
+    # steps by tokens computed: counts per bucket of ITERATION_TOKEN_BUCKETS (upper bounds), the last one
+    # past them all; and the tokens of all steps (vLLM's iteration_tokens_total histogram)
+    iteration_token_counts: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
     busy_seconds: float = 0.0  # wall time with requests in flight, step start to step start (paged engine)
     model_forward_seconds: float = 0.0  # of it, in the model forward and logits (paged engine)
     model_forward_cpu_seconds: float = 0.0  # CPU time of the engine's process meanwhile, all threads (paged engine)
