@@ -259,6 +259,7 @@ def test_kv_demand_is_the_context_of_the_requests_in_flight():
     times = [0.2, 0.5, 1.0, 2.5, 5.2, 5.5, 9.0]
     expected = [0, 3 + 2, 11 + 3 + 4, 12, 15 + 21, 21, 21]
     assert demand_tokens(outputs, times, window_end=10.0) == expected
+    assert demand_tokens(outputs, times[::-1], window_end=10.0) == expected[::-1]  # in the order given
     assert demand_tokens(outputs, [9.0], window_end=8.0) == [0]  # the cut request ended with the window
     usage = [0.1] * len(times)  # 16 tokens allocated at each instant (1 of 10 blocks of 16)
     summary = kv_demand_summary(outputs, times, usage, 10.0, {"block_size": 16, "num_gpu_blocks": 10})

@@ -51,8 +51,13 @@ def _lives(outputs: Iterable[RequestFuncOutput], window_end: float) -> list[_Lif
 
 def demand_tokens(outputs: Iterable[RequestFuncOutput], times: list[float], window_end: float) -> list[int]:
     """Tokens of context held by the requests in flight at each of ``times`` (the clock of ``start_time``)."""
-    lives = _lives(outputs, window_end)
-    return [sum(life.tokens_at(t) for life in lives) for t in times]
+    order = sorted(range(len(times)), key=times.__getitem__)
+    ordered = [times[i] for i in order]
+    demand = [0] * len(times)
+    for life in _lives(outputs, window_end):  # only the instants inside each request's life
+        for k in range(bisect.bisect_left(ordered, life.arrivals[0]), bisect.bisect_left(ordered, life.end)):
+            demand[order[k]] += life.tokens_at(ordered[k])
+    return demand
 
 
 def kv_demand_summary(
