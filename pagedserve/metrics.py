@@ -6,6 +6,7 @@ at scrape time; per-request counters and histograms are fed by the output handle
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -76,10 +77,7 @@ class _EngineStateCollector:
             histogram = HistogramMetricFamily(PREFIX + "iteration_tokens_total",
                                               "Histogram of the number of tokens per engine step.", labels=labels)
             bounds = [str(float(bound)) for bound in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
-            cumulative, buckets = 0, []
-            for bound, count in zip(bounds, stats.iteration_token_counts):
-                cumulative += count
-                buckets.append((bound, cumulative))
+            buckets = list(zip(bounds, itertools.accumulate(stats.iteration_token_counts)))
             histogram.add_metric(value, buckets, stats.iteration_tokens_sum)
             yield histogram
 
@@ -153,9 +151,8 @@ class Metrics:
         for finished in stats.finished_requests:
             self._request_success.labels(self.model_name, finished.finish_reason.value).inc()
             self.e2e.observe(finished.e2e_latency)
-            if finished.queue_time is not None:
-                self.queue_time.observe(max(finished.queue_time, 0.0))
-            for histogram, value in ((self.prefill_time, finished.prefill_time),
+            for histogram, value in ((self.queue_time, finished.queue_time),
+                                     (self.prefill_time, finished.prefill_time),
                                      (self.decode_time, finished.decode_time),
                                      (self.inference_time, finished.inference_time)):
                 if value is not None:

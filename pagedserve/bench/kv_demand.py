@@ -34,19 +34,8 @@ class _Life:
         self.end = window_end if output.error_reason == INCOMPLETE else output.start_time + output.latency
 
     def tokens_at(self, t: float) -> int:
-        if t < self.arrivals[0] or t >= self.end:
-            return 0
-        chunks = bisect.bisect_right(self.arrivals, t)
-        return self.prompt_len + round(chunks * self.tokens_per_chunk)
-
-
-def _lives(outputs: Iterable[RequestFuncOutput], window_end: float) -> list[_Life]:
-    lives = []
-    for output in outputs:
-        if output.ttft <= 0 or not (output.success or output.error_reason == INCOMPLETE):
-            continue
-        lives.append(_Life(output, window_end))
-    return lives
+        """Context at ``t``, an instant in ``[arrivals[0], end)``."""
+        return self.prompt_len + round(bisect.bisect_right(self.arrivals, t) * self.tokens_per_chunk)
 
 
 def demand_tokens(outputs: Iterable[RequestFuncOutput], times: list[float], window_end: float) -> list[int]:
@@ -54,7 +43,8 @@ def demand_tokens(outputs: Iterable[RequestFuncOutput], times: list[float], wind
     order = sorted(range(len(times)), key=times.__getitem__)
     ordered = [times[i] for i in order]
     demand = [0] * len(times)
-    for life in _lives(outputs, window_end):  # only the instants inside each request's life
+    lives = (_Life(o, window_end) for o in outputs if o.ttft > 0 and (o.success or o.error_reason == INCOMPLETE))
+    for life in lives:  # only the instants inside each request's life
         for k in range(bisect.bisect_left(ordered, life.arrivals[0]), bisect.bisect_left(ordered, life.end)):
             demand[order[k]] += life.tokens_at(ordered[k])
     return demand

@@ -222,7 +222,7 @@ def result_rows(records: list[dict[str, Any]]) -> list[list[str]]:
             _lat(r, "ttft", "p50"), _lat(r, "ttft", "p99"), _lat(r, "tpot", "p50"), _lat(r, "tpot", "p99"),
             _lat(r, "itl", "p99"), _lat(r, "e2el", "p50"), _lat(r, "e2el", "p99"),
             _mib(r["peak_rss_bytes"]), _pct(r["memory_efficiency"]), _pct(r["kv_efficiency"]),
-            _pct(r.get("kv_demand_efficiency")), _fmt(r["goodput"], 2), _fmt(r["cost_per_1k_output_tokens"], 5),
+            _pct(r["kv_demand_efficiency"]), _fmt(r["goodput"], 2), _fmt(r["cost_per_1k_output_tokens"], 5),
         ])
     return rows
 
@@ -298,8 +298,8 @@ def markdown_report(summary: dict[str, Any], plots: list[tuple[str, str]]) -> st
             "Allocated / needed: the server's KV usage in tokens (from its block size and count) over that need.", ""]
     rows = [[r["target"], r["workload"], r["point"], _mib(r["peak_rss_bytes"]), _mib(r["avg_rss_bytes"]),
              _pct(r["memory_efficiency"]), _pct(r["peak_kv_usage"]), _pct(r["avg_kv_usage"]), _pct(r["kv_efficiency"]),
-             _fmt(r.get("peak_kv_demand_tokens"), 0), _pct(r.get("kv_demand_efficiency")),
-             _fmt(r.get("kv_allocated_per_needed"), 2)]
+             _fmt(r["peak_kv_demand_tokens"], 0), _pct(r["kv_demand_efficiency"]),
+             _fmt(r["kv_allocated_per_needed"], 2)]
             for r in records]
     out += [markdown_table(["System", "Workload", "Load", "Peak RSS (MiB)", "Avg RSS (MiB)", "Memory efficiency",
                             "Peak KV", "Avg KV", "KV efficiency", "Peak KV needed (tokens)", "KV needed efficiency",

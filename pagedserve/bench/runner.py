@@ -352,8 +352,8 @@ async def run_point(
     carried = sum(tokens_streamed_after(output, 0.0) for output in steady_warmup)
     warmup_outputs.extend(steady_warmup)
     sampled = monitor.kv_times or monitor.sample_times  # the KV samples' instants, else the memory samples'
-    demand = kv_demand_summary(outputs + warmup_outputs, [t - opens for t in sampled],
-                               monitor.kv if monitor.kv_times else [], duration, monitor.cache_config)
+    demand = kv_demand_summary(outputs + warmup_outputs, [t - opens for t in sampled], monitor.kv, duration,
+                               monitor.cache_config)
     record = _record(target, model, workload, point, seed, outputs, duration, monitor, options, carried)
     record.update(demand)
     return PointResult(target, workload, point, seed, outputs, warmup_outputs, record)

@@ -275,6 +275,7 @@ class OutputProcessor:
         metrics = state.metrics
         scheduled, first_token = metrics.first_scheduled_time, metrics.first_token_time
         last_token = max(s.last_token_time for s in state.samples) if first_token is not None else None
+        decode = None if last_token is None else last_token - first_token
         longest = max(len(s.token_ids) for s in state.samples)
         self._stats.finished_requests.append(
             FinishedRequestStats(
@@ -286,9 +287,8 @@ class OutputProcessor:
                 n=state.params.n,
                 max_tokens=state.params.max_tokens,
                 prefill_time=None if first_token is None or scheduled is None else first_token - scheduled,
-                decode_time=None if last_token is None else last_token - first_token,
+                decode_time=decode,
                 inference_time=None if last_token is None or scheduled is None else last_token - scheduled,
-                time_per_output_token=None if last_token is None or longest < 2
-                else (last_token - first_token) / (longest - 1),
+                time_per_output_token=None if decode is None or longest < 2 else decode / (longest - 1),
             )
         )
