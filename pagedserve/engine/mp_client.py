@@ -23,6 +23,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
 from pagedserve.engine.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
 from pagedserve.engine.output_mailbox import OutputMailbox
+from pagedserve.gc_heap import freeze_heap
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, close_fds: tuple[int
 
     try:
         engine = LLMEngine(config)
+        freeze_heap("engine core")
         conn.send((_READY, engine.model_info, str(engine.dtype).removeprefix("torch.")))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the parent
         conn.send((_FAILED, traceback.format_exc()))
@@ -96,6 +98,7 @@ def _handle_inputs(engine, conn: Connection, block: bool) -> bool:
             engine.stop_samples(payload)
         elif kind == _WARMUP:
             engine.warmup()
+            freeze_heap("engine core, warmed up")
             conn.send((_WARMED, None))
         elif kind == _SHUTDOWN:
             return True

@@ -25,6 +25,7 @@ from pagedserve.entrypoints.middleware import ServerState, parse_rate_limit
 from pagedserve.entrypoints.openai.api_server import ServerOptions, build_app
 from pagedserve.entrypoints.openai.http_protocol import http_protocol
 from pagedserve.entrypoints.openai.serving_engine import ServingConfig
+from pagedserve.gc_heap import freeze_heap
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -163,6 +164,7 @@ def run_server(args: argparse.Namespace) -> int:
         parse_rate_limit(options.rate_limit)  # fail before loading the model
     sock = bind_socket(args.host, args.port)
     load_start = time.perf_counter()
+    freeze_heap("server, before the engine core forks")
     core = make_core(args, inherited_fds=(sock.fileno(),))
     info = core.model_info
     names = args.served_model_name or [info.model_name]
@@ -177,7 +179,7 @@ def run_server(args: argparse.Namespace) -> int:
     engine = AsyncLLM(core)
     app = build_app(engine, serving_config, options, model_dtype=getattr(core, "dtype", None))
     url = f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{sock.getsockname()[1]}"
-    app.state.on_ready = functools.partial(_print_banner, url, info, names, options, time.perf_counter() - load_start)
+    app.state.on_ready = functools.partial(_on_ready, url, info, names, options, time.perf_counter() - load_start)
     with asyncio.Runner(loop_factory=event_loop_factory(args.event_loop)) as runner:
         return runner.run(serve_app(app, sock, args.shutdown_timeout, args.max_header_bytes, args.log_level,
                                     not args.disable_access_log, args.http))
@@ -198,6 +200,12 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
             raise
         return None
     return uvloop.new_event_loop
+
+
+def _on_ready(url: str, info: Any, names: list[str], options: ServerOptions, load_s: float) -> None:
+    """Warmed up and serving: print the banner, then freeze what start-up left alive (``gc_heap``)."""
+    _print_banner(url, info, names, options, load_s)
+    freeze_heap("server, ready")
 
 
 def _print_banner(url: str, info: Any, names: list[str], options: ServerOptions, load_s: float) -> None:
