@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -52,6 +53,16 @@ def test_models_health_version_docs(server, client):
     assert {"/v1/completions", "/v1/chat/completions", "/generate", "/tokenize"} <= set(paths)
     response = server.get("/v1/models")
     assert "x-process-time" in response.headers and "x-request-id" in response.headers
+
+
+def test_models_retrieve(client):
+    card = client.models.retrieve("SmolLM2-135M-Instruct")
+    assert card.id == "SmolLM2-135M-Instruct" and card.object == "model" and card.owned_by == "pagedserve"
+    assert card.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as excinfo:
+        client.models.retrieve("org/some-other-model")
+    assert excinfo.value.body["code"] == "model_not_found"
+    assert "org/some-other-model" in excinfo.value.body["message"]
 
 
 def test_completion_stream_equals_non_stream(client, tokenizer):

@@ -133,15 +133,25 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Respon
 @router.get("/v1/models")
 async def show_models(raw_request: Request) -> Response:
     state = _app_state(raw_request)
+    cards = [_model_card(state, name) for name in state.serving_config.served_model_names]
+    return json_response({"object": "list", "data": cards})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def show_model(model_id: str, raw_request: Request) -> Response:
+    """OpenAI's ``models.retrieve``: one served name's card (ids may contain '/'), else 404."""
+    state = _app_state(raw_request)
+    if model_id not in state.serving_config.served_model_names:
+        raise APIError(f"The model `{model_id}` does not exist.", 404, param="model", code="model_not_found")
+    return json_response(_model_card(state, model_id))
+
+
+def _model_card(state: Any, name: str) -> dict[str, Any]:
     config: ServingConfig = state.serving_config
     info = state.engine.model_info
-    cards = [
-        {"id": name, "object": "model", "created": state.created, "owned_by": "pagedserve",
-         "root": config.model_path or info.model_name, "parent": None, "max_model_len": info.max_model_len,
-         "permission": []}
-        for name in config.served_model_names
-    ]
-    return json_response({"object": "list", "data": cards})
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "pagedserve",
+            "root": config.model_path or info.model_name, "parent": None, "max_model_len": info.max_model_len,
+            "permission": []}
 
 
 @router.post("/generate", dependencies=_json)
