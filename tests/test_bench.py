@@ -16,7 +16,7 @@ import pytest
 
 from pagedserve.bench import cli
 from pagedserve.bench.datasets import WORKLOADS, PromptFactory, RequestSource, encode
-from pagedserve.bench.kv_demand import demand_tokens, kv_demand_summary
+from pagedserve.bench.kv_demand import demand_tokens, kv_demand_summary, reserved_tokens
 from pagedserve.bench.metrics import parse_slo, stats_ms, summarize, tokens_streamed_after
 from pagedserve.bench.monitor import parse_cache_config, parse_prometheus
 from pagedserve.bench.report import build_summary, terminal_report, write_outputs
@@ -34,7 +34,7 @@ SUMMARY_FIELDS = (
     "ttft_ms", "ttft_started_ms", "started", "tpot_ms", "itl_ms", "e2el_ms", "peak_rss_bytes", "avg_rss_bytes", "memory_efficiency",
     "peak_kv_usage", "avg_kv_usage", "kv_efficiency", "cost_per_1k_output_tokens", "failures", "goodput",
     "peak_kv_demand_tokens", "avg_kv_demand_tokens", "kv_demand_efficiency", "kv_block_size", "kv_num_blocks",
-    "kv_allocated_per_needed",
+    "kv_allocated_per_needed", "kv_reservation_efficiency", "kv_reserved_per_needed",
 )
 
 
@@ -255,12 +255,16 @@ def test_kv_demand_is_the_context_of_the_requests_in_flight():
     failed = RequestFuncOutput(success=False, error_reason="HTTP 500", prompt_len=99, start_time=0.0)
     pairs = RequestFuncOutput(success=True, prompt_len=3, output_tokens=4, start_time=0.0, ttft=0.5, itl=[0.5],
                               latency=1.2)  # two tokens per chunk, chunks at 0.5 and 1.0
+    done.expected_output_len, cut.expected_output_len = 8, 30  # max_tokens; pairs: unknown (0), 4 streamed
     outputs = [done, cut, failed, pairs]
     times = [0.2, 0.5, 1.0, 2.5, 5.2, 5.5, 9.0]
     expected = [0, 3 + 2, 11 + 3 + 4, 12, 15 + 21, 21, 21]
     assert demand_tokens(outputs, times, window_end=10.0) == expected
     assert demand_tokens(outputs, times[::-1], window_end=10.0) == expected[::-1]  # in the order given
     assert demand_tokens(outputs, [9.0], window_end=8.0) == [0]  # the cut request ended with the window
+    # reserving prompt + max_tokens: flat over the same lives
+    reserved = [0, 7, 18 + 7, 18, 18 + 50, 50, 50]
+    assert reserved_tokens(outputs, times, window_end=10.0) == reserved
     usage = [0.1] * len(times)  # 16 tokens allocated at each instant (1 of 10 blocks of 16)
     summary = kv_demand_summary(outputs, times, usage, 10.0, {"block_size": 16, "num_gpu_blocks": 10})
     assert summary["peak_kv_demand_tokens"] == 36
@@ -268,12 +272,15 @@ def test_kv_demand_is_the_context_of_the_requests_in_flight():
     assert summary["kv_demand_efficiency"] == pytest.approx(sum(expected) / len(times) / 36)
     assert summary["kv_allocated_per_needed"] == pytest.approx(16 * len(times) / sum(expected))
     assert (summary["kv_block_size"], summary["kv_num_blocks"]) == (16, 10)
+    assert summary["kv_reservation_efficiency"] == pytest.approx(sum(reserved) / len(times) / 68)
+    assert summary["kv_reserved_per_needed"] == pytest.approx(sum(reserved) / sum(expected))
     bare = kv_demand_summary(outputs, times, [], 10.0, None)  # no KV gauge, no cache shape
     assert bare["kv_demand_efficiency"] == summary["kv_demand_efficiency"]
     assert bare["kv_allocated_per_needed"] is None and bare["kv_block_size"] is None
     idle = kv_demand_summary([failed], times, usage, 10.0, {"block_size": 16, "num_gpu_blocks": 10})
     assert idle["peak_kv_demand_tokens"] == 0 and idle["kv_demand_efficiency"] is None
     assert idle["kv_allocated_per_needed"] is None and idle["kv_block_size"] == 16
+    assert idle["kv_reservation_efficiency"] is None and idle["kv_reserved_per_needed"] is None
 
 
 # ---- arrivals ---------------------------------------------------------------------------------

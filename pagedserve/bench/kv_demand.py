@@ -9,13 +9,19 @@ token (before that it may be queued, holding nothing) to its end (the window's e
 there); failed requests hold nothing. With the server's block size and block count (vLLM's
 ``cache_config_info``), the sampled usage becomes tokens, and allocated / needed shows the
 allocator's overhead (partly filled last blocks; under 1 where requests share prefix blocks).
+
+The same lives also give a counterfactual: what a server that reserved each request's prompt plus
+``max_tokens`` when it started (no paging, as before PagedAttention) would hold at those instants.
+Its average / peak is often higher than the need's (a reservation is flat for the request's whole
+life), while it holds reserved / needed times the memory: the ratio shows how much an efficiency
+measured as average / peak rewards reserving.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pagedserve.bench.request_funcs import INCOMPLETE, RequestFuncOutput
@@ -24,10 +30,11 @@ from pagedserve.bench.request_funcs import INCOMPLETE, RequestFuncOutput
 class _Life:
     """One request's context length over time: ``prompt_len`` plus the tokens streamed by then."""
 
-    __slots__ = ("prompt_len", "arrivals", "tokens_per_chunk", "end")
+    __slots__ = ("prompt_len", "reserved", "arrivals", "tokens_per_chunk", "end")
 
     def __init__(self, output: RequestFuncOutput, window_end: float) -> None:
         self.prompt_len = output.prompt_len
+        self.reserved = output.prompt_len + max(output.expected_output_len, output.output_tokens)  # + max_tokens
         first = output.start_time + output.ttft
         self.arrivals = list(itertools.accumulate(output.itl, initial=first))  # one time per streamed chunk
         self.tokens_per_chunk = output.output_tokens / len(self.arrivals) if output.output_tokens > 0 else 1.0
@@ -40,14 +47,26 @@ class _Life:
 
 def demand_tokens(outputs: Iterable[RequestFuncOutput], times: list[float], window_end: float) -> list[int]:
     """Tokens of context held by the requests in flight at each of ``times`` (the clock of ``start_time``)."""
+    return _held_tokens(outputs, times, window_end, _Life.tokens_at)
+
+
+def reserved_tokens(outputs: Iterable[RequestFuncOutput], times: list[float], window_end: float) -> list[int]:
+    """Tokens that reserving prompt + ``max_tokens`` per request would hold at each of ``times``, over the
+    same lives as ``demand_tokens``."""
+    return _held_tokens(outputs, times, window_end, lambda life, _t: life.reserved)
+
+
+def _held_tokens(
+    outputs: Iterable[RequestFuncOutput], times: list[float], window_end: float, held: Callable[[_Life, float], int]
+) -> list[int]:
     order = sorted(range(len(times)), key=times.__getitem__)
     ordered = [times[i] for i in order]
-    demand = [0] * len(times)
+    total = [0] * len(times)
     lives = (_Life(o, window_end) for o in outputs if o.ttft > 0 and (o.success or o.error_reason == INCOMPLETE))
     for life in lives:  # only the instants inside each request's life
         for k in range(bisect.bisect_left(ordered, life.arrivals[0]), bisect.bisect_left(ordered, life.end)):
-            demand[order[k]] += life.tokens_at(ordered[k])
-    return demand
+            total[order[k]] += held(life, ordered[k])
+    return total
 
 
 def kv_demand_summary(
@@ -58,14 +77,19 @@ def kv_demand_summary(
     cache_config: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Demand efficiency over the instants ``times`` at which ``kv_usage`` (0..1) was sampled, and,
-    with ``cache_config`` (``block_size``, ``num_gpu_blocks``), the allocated tokens per needed token."""
+    with ``cache_config`` (``block_size``, ``num_gpu_blocks``), the allocated tokens per needed token; and
+    the reservation counterfactual's efficiency and reserved tokens per needed token."""
+    outputs = list(outputs)
     demand = demand_tokens(outputs, times, window_end)
+    reserved = reserved_tokens(outputs, times, window_end)
     peak = max(demand, default=0)
     average = sum(demand) / len(demand) if demand else None
     summary: dict[str, Any] = {
         "peak_kv_demand_tokens": peak if demand else None,
         "avg_kv_demand_tokens": average,
         "kv_demand_efficiency": average / peak if peak else None,
+        "kv_reservation_efficiency": sum(reserved) / len(reserved) / max(reserved) if peak else None,
+        "kv_reserved_per_needed": sum(reserved) / sum(demand) if peak else None,
         "kv_block_size": cache_config["block_size"] if cache_config else None,
         "kv_num_blocks": cache_config["num_gpu_blocks"] if cache_config else None,
         "kv_allocated_per_needed": None,

@@ -295,15 +295,19 @@ def markdown_report(summary: dict[str, Any], plots: list[tuple[str, str]]) -> st
             "Server resident memory and KV-cache usage; efficiency = average / peak. KV needed: the context "
             "(prompt + tokens streamed so far) of the requests in flight at the same instants, from the client's "
             "records; its efficiency is what an allocator that wastes nothing would show under this load. "
-            "Allocated / needed: the server's KV usage in tokens (from its block size and count) over that need.", ""]
+            "Allocated / needed: the server's KV usage in tokens (from its block size and count) over that need. "
+            "Reservation: what reserving prompt + max_tokens per request from its start (no paging) would hold "
+            "at the same instants; a higher efficiency there, bought with reserved / needed times the memory, "
+            "is what average / peak rewards.", ""]
     rows = [[r["target"], r["workload"], r["point"], _mib(r["peak_rss_bytes"]), _mib(r["avg_rss_bytes"]),
              _pct(r["memory_efficiency"]), _pct(r["peak_kv_usage"]), _pct(r["avg_kv_usage"]), _pct(r["kv_efficiency"]),
              _fmt(r["peak_kv_demand_tokens"], 0), _pct(r["kv_demand_efficiency"]),
-             _fmt(r["kv_allocated_per_needed"], 2)]
+             _fmt(r["kv_allocated_per_needed"], 2), _pct(r["kv_reservation_efficiency"]),
+             _fmt(r["kv_reserved_per_needed"], 2)]
             for r in records]
     out += [markdown_table(["System", "Workload", "Load", "Peak RSS (MiB)", "Avg RSS (MiB)", "Memory efficiency",
                             "Peak KV", "Avg KV", "KV efficiency", "Peak KV needed (tokens)", "KV needed efficiency",
-                            "Allocated / needed"], rows), ""]
+                            "Allocated / needed", "Reservation efficiency", "Reserved / needed"], rows), ""]
     if any(r["cost_per_1k_output_tokens"] is not None for r in records):
         out += [f"## Cost per 1k output tokens (at ${summary['settings'].get('price_per_hour')}/hour)", ""]
         rows = [[t] + [_fmt(index[(t, w, p)]["cost_per_1k_output_tokens"], 5) if (t, w, p) in index else "-"
