@@ -11,7 +11,8 @@ there); failed requests hold nothing. With the server's block size and block cou
 allocator's overhead (partly filled last blocks; under 1 where requests share prefix blocks).
 
 The same lives also give a counterfactual: what a server that reserved each request's prompt plus
-``max_tokens`` when it started (no paging, as before PagedAttention) would hold at those instants.
+``max_tokens`` (no paging, as before PagedAttention) would hold at those instants, counted over the
+same lives (from the first token: a conservative count, as such a server reserves at admission).
 Its average / peak is often higher than the need's (a reservation is flat for the request's whole
 life), while it holds reserved / needed times the memory: the ratio shows how much an efficiency
 measured as average / peak rewards reserving.
@@ -34,7 +35,8 @@ class _Life:
 
     def __init__(self, output: RequestFuncOutput, window_end: float) -> None:
         self.prompt_len = output.prompt_len
-        self.reserved = output.prompt_len + max(output.expected_output_len, output.output_tokens)  # + max_tokens
+        # + max_tokens; where the client did not record it, the tokens streamed (so far, for a cut-off request)
+        self.reserved = output.prompt_len + max(output.expected_output_len, output.output_tokens)
         first = output.start_time + output.ttft
         self.arrivals = list(itertools.accumulate(output.itl, initial=first))  # one time per streamed chunk
         self.tokens_per_chunk = output.output_tokens / len(self.arrivals) if output.output_tokens > 0 else 1.0
@@ -82,19 +84,20 @@ def kv_demand_summary(
     outputs = list(outputs)
     demand = demand_tokens(outputs, times, window_end)
     reserved = reserved_tokens(outputs, times, window_end)
-    peak = max(demand, default=0)
-    average = sum(demand) / len(demand) if demand else None
+    peak, total = max(demand, default=0), sum(demand)
+    average = total / len(demand) if demand else None
+    peak_reserved, total_reserved = max(reserved, default=0), sum(reserved)
     summary: dict[str, Any] = {
         "peak_kv_demand_tokens": peak if demand else None,
         "avg_kv_demand_tokens": average,
         "kv_demand_efficiency": average / peak if peak else None,
-        "kv_reservation_efficiency": sum(reserved) / len(reserved) / max(reserved) if peak else None,
-        "kv_reserved_per_needed": sum(reserved) / sum(demand) if peak else None,
+        "kv_reservation_efficiency": total_reserved / len(reserved) / peak_reserved if peak_reserved else None,
+        "kv_reserved_per_needed": total_reserved / total if total else None,
         "kv_block_size": cache_config["block_size"] if cache_config else None,
         "kv_num_blocks": cache_config["num_gpu_blocks"] if cache_config else None,
         "kv_allocated_per_needed": None,
     }
-    if cache_config and len(kv_usage) == len(demand) and sum(demand) > 0:
+    if cache_config and len(kv_usage) == len(demand) and total > 0:
         allocated = sum(kv_usage) * cache_config["num_gpu_blocks"] * cache_config["block_size"]
-        summary["kv_allocated_per_needed"] = allocated / sum(demand)
+        summary["kv_allocated_per_needed"] = allocated / total
     return summary

@@ -296,8 +296,8 @@ def markdown_report(summary: dict[str, Any], plots: list[tuple[str, str]]) -> st
             "(prompt + tokens streamed so far) of the requests in flight at the same instants, from the client's "
             "records; its efficiency is what an allocator that wastes nothing would show under this load. "
             "Allocated / needed: the server's KV usage in tokens (from its block size and count) over that need. "
-            "Reservation: what reserving prompt + max_tokens per request from its start (no paging) would hold "
-            "at the same instants; a higher efficiency there, bought with reserved / needed times the memory, "
+            "Reservation: what reserving prompt + max_tokens per request over the same lives (no paging) would "
+            "hold at the same instants; a higher efficiency there, bought with reserved / needed times the memory, "
             "is what average / peak rewards.", ""]
     rows = [[r["target"], r["workload"], r["point"], _mib(r["peak_rss_bytes"]), _mib(r["avg_rss_bytes"]),
              _pct(r["memory_efficiency"]), _pct(r["peak_kv_usage"]), _pct(r["avg_kv_usage"]), _pct(r["kv_efficiency"]),

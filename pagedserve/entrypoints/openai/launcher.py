@@ -164,7 +164,7 @@ def run_server(args: argparse.Namespace) -> int:
         parse_rate_limit(options.rate_limit)  # fail before loading the model
     sock = bind_socket(args.host, args.port)
     load_start = time.perf_counter()
-    freeze_heap("server, before the engine core forks")
+    freeze_heap("server, start-up")  # before an engine core process forks
     core = make_core(args, inherited_fds=(sock.fileno(),))
     info = core.model_info
     names = args.served_model_name or [info.model_name]
