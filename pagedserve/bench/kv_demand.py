@@ -46,25 +46,31 @@ class _Life:
         """Context at ``t``, an instant in ``[arrivals[0], end)``."""
         return self.prompt_len + round(bisect.bisect_right(self.arrivals, t) * self.tokens_per_chunk)
 
+    def reserved_at(self, t: float) -> int:
+        """What reserving prompt + ``max_tokens`` holds at ``t``: the same all life long."""
+        return self.reserved
+
 
 def demand_tokens(outputs: Iterable[RequestFuncOutput], times: list[float], window_end: float) -> list[int]:
     """Tokens of context held by the requests in flight at each of ``times`` (the clock of ``start_time``)."""
-    return _held_tokens(outputs, times, window_end, _Life.tokens_at)
+    return _held_tokens(_lives(outputs, window_end), times, _Life.tokens_at)
 
 
 def reserved_tokens(outputs: Iterable[RequestFuncOutput], times: list[float], window_end: float) -> list[int]:
     """Tokens that reserving prompt + ``max_tokens`` per request would hold at each of ``times``, over the
     same lives as ``demand_tokens``."""
-    return _held_tokens(outputs, times, window_end, lambda life, _t: life.reserved)
+    return _held_tokens(_lives(outputs, window_end), times, _Life.reserved_at)
 
 
-def _held_tokens(
-    outputs: Iterable[RequestFuncOutput], times: list[float], window_end: float, held: Callable[[_Life, float], int]
-) -> list[int]:
+def _lives(outputs: Iterable[RequestFuncOutput], window_end: float) -> list[_Life]:
+    """The requests that held cache: those that streamed a first token and then ended or were cut off."""
+    return [_Life(o, window_end) for o in outputs if o.ttft > 0 and (o.success or o.error_reason == INCOMPLETE)]
+
+
+def _held_tokens(lives: list[_Life], times: list[float], held: Callable[[_Life, float], int]) -> list[int]:
     order = sorted(range(len(times)), key=times.__getitem__)
     ordered = [times[i] for i in order]
     total = [0] * len(times)
-    lives = (_Life(o, window_end) for o in outputs if o.ttft > 0 and (o.success or o.error_reason == INCOMPLETE))
     for life in lives:  # only the instants inside each request's life
         for k in range(bisect.bisect_left(ordered, life.arrivals[0]), bisect.bisect_left(ordered, life.end)):
             total[order[k]] += held(life, ordered[k])
@@ -81,9 +87,9 @@ def kv_demand_summary(
     """Demand efficiency over the instants ``times`` at which ``kv_usage`` (0..1) was sampled, and,
     with ``cache_config`` (``block_size``, ``num_gpu_blocks``), the allocated tokens per needed token; and
     the reservation counterfactual's efficiency and reserved tokens per needed token."""
-    outputs = list(outputs)
-    demand = demand_tokens(outputs, times, window_end)
-    reserved = reserved_tokens(outputs, times, window_end)
+    lives = _lives(outputs, window_end)
+    demand = _held_tokens(lives, times, _Life.tokens_at)
+    reserved = _held_tokens(lives, times, _Life.reserved_at)
     peak, total = max(demand, default=0), sum(demand)
     average = total / len(demand) if demand else None
     peak_reserved, total_reserved = max(reserved, default=0), sum(reserved)

@@ -32,12 +32,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, list[Request]] = {}
-        self.num_preemptions = 0
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        self.num_steps = 0
-        self._iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
-        self._iteration_tokens_sum = 0
+        # cumulative counters: num_preemptions, num_prompt_tokens, num_generation_tokens, num_steps and
+        # the step-token histogram (_iteration_token_counts, _iteration_tokens_sum)
+        self.reset_counters()
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
