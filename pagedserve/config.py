@@ -58,7 +58,8 @@ class CacheConfig:
 
     ``block_size=None`` picks the device's default (``resolved_block_size``): 128 tokens on CPUs,
     as vLLM's CPU backend does (long runs of contiguous K/V keep the hardware prefetcher
-    streaming: ~18 % faster decode attention than 16 at 1,000-token contexts), 16 elsewhere.
+    streaming, so decode attention at long contexts is faster than with 16; see
+    docs/design/cpu-performance.md), 16 elsewhere.
     Prefix caching shares whole blocks only, so larger blocks share less of short prefixes.
     """
 

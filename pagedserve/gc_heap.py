@@ -1,13 +1,14 @@
 """Keeping CPython's full garbage collections short in long-running processes.
 
 A full (generation 2) collection walks every container object the process tracks. After start-up
-that is ~370k of them (torch, transformers, FastAPI, the model's modules), and one full pass took
-200-330 ms on the 2-core development machine: a stall of every stream in the process. The server
-front end, the engine core and the ``pagedserve bench`` client each call ``freeze_heap()`` once
-their start-up is done (the bench again after each load point), as vLLM's ``freeze_gc_heap`` does:
-what is alive then moves to the permanent generation, so later collections walk only what was
-allocated since. Freezing before a fork also keeps the child's collector from writing to the
-inherited objects' headers, which would copy the parent's pages into the child.
+that is hundreds of thousands of them (torch, transformers, FastAPI, the model's modules), and one
+full pass takes hundreds of milliseconds on a small CPU (docs/design/cpu-performance.md): a stall
+of every stream in the process. The server front end, the engine core and the ``pagedserve bench``
+client each call ``freeze_heap()`` once their start-up is done (the bench again after each load
+point), as vLLM's ``freeze_gc_heap`` does: what is alive then moves to the permanent generation, so
+later collections walk only what was allocated since. Freezing before a fork also keeps the
+child's collector from writing to the inherited objects' headers, which would copy the parent's
+pages into the child.
 
 Only composition roots call this (it changes the whole process's collector), never library code.
 """

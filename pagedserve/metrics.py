@@ -17,7 +17,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-from pagedserve.engine.messages import ITERATION_TOKEN_BUCKETS, SchedulerStats
+from pagedserve.messages import ITERATION_TOKEN_BUCKETS, SchedulerStats
 from pagedserve.engine.output_processor import IterationStats
 
 logger = logging.getLogger("pagedserve.stats")

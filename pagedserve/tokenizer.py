@@ -12,6 +12,7 @@ from typing import Any
 from tokenizers import processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from pagedserve.config import ModelConfig
 from pagedserve.models.registry import ModelLoadError
 
 # GGUF tokenizer key (without the "tokenizer." prefix) -> transformers' converter argument
@@ -33,6 +34,34 @@ _SPECIAL_TOKEN_KEYS = {
     "unk_token": "tokenizer.ggml.unknown_token_id",
     "pad_token": "tokenizer.ggml.padding_token_id",
 }
+
+
+def tokenizer_path(model_config: ModelConfig) -> str:
+    """Where the served model's tokenizer is: ``--tokenizer``, else the model (a HF directory or a
+    ``.gguf`` file), else the default model's GGUF. Front ends: ``load_tokenizer(tokenizer_path(config.model))``."""
+    if model_config.tokenizer:
+        return model_config.tokenizer
+    if model_config.model:
+        return model_config.model
+    from pagedserve.models.default_model import default_model_path
+
+    return default_model_path()
+
+
+def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The tokenizer's EOS id(s) (none when it has no EOS token)."""
+    value = getattr(tokenizer, "eos_token_id", None)
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, int) else tuple(value)
+
+
+def request_eos_token_ids(model_eos_token_ids: tuple[int, ...], tokenizer: Any) -> tuple[int, ...]:
+    """What a front end puts in ``EngineCoreRequest.eos_token_ids`` (computed once per model): empty (the
+    engine then uses the model's own, ``ModelInfo.eos_token_ids``) unless the tokenizer's EOS is not among
+    them; then the model's followed by the tokenizer's, as the loader used to collect them."""
+    extra = tuple(t for t in eos_token_ids(tokenizer) if t not in model_eos_token_ids)
+    return tuple(model_eos_token_ids) + extra if extra else ()
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerFast:

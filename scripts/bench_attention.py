@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pagedserve.worker.cpu_kernels import load_cpu_kernels
+from pagedserve.kernels import load_cpu_kernels
 from pagedserve.worker.host_memory import zeros_on_huge_pages
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30

@@ -7,13 +7,13 @@
 # Environment:
 #   DURATION=60        measured seconds per (target, workload, concurrency); in-flight requests are cut off
 #   WORKLOADS=short,medium,long,mixed   CONCURRENCY=1,16,64
-#   DTYPE=bfloat16     pagedserve's dtype (the hf baseline always runs float32, as in the articles)
+#   DTYPE=bfloat16     pagedserve's dtype (the hf baseline always runs float32, Transformers' default)
 #   KV_CACHE=4GiB      pagedserve's KV cache
 #   VLLM_URL=http://127.0.0.1:8002   add a running vLLM server as a third target (started by you)
 #   VLLM_PID=1234      its server process, for peak RSS of it and its children (else read from its /metrics)
-#   VLLM_PYTHON=/tmp/vllm-venv/bin/python   with VLLM_URL: afterwards, issue 5's rows once more with vLLM's own
+#   VLLM_PYTHON=/tmp/vllm-venv/bin/python   with VLLM_URL: afterwards, the short/medium/long rows with vLLM's own
 #                      client (`vllm bench serve`, scripts/vllm_bench_table.py) on pagedserve and vLLM -> OUT/vllm-client
-#   VLLM_ROWS="--row 50:100:16:160 ..."      other rows for that table (default: issue 5's seven)
+#   VLLM_ROWS="--row 50:100:16:160 ..."      other rows for that table (default: vllm_bench_table.py's seven)
 #   EXTRA="..."        more `pagedserve bench` flags, e.g. "--price-per-hour 0.10"
 #   BASELINE=0         leave the `--engine hf` baseline out (e.g. the steady-state runs of long and mixed
 #                      at concurrency 16 and 64 against vLLM: DURATION=240 WORKLOADS=long,mixed CONCURRENCY=64,16

@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from pagedserve import LLM, SamplingParams
-    from pagedserve.engine.messages import EngineCoreRequest
+    from pagedserve.messages import EngineCoreRequest
 
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory="2GiB", max_num_seqs=max(256, args.batch))
     engine = llm.engine

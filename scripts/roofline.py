@@ -86,7 +86,7 @@ def memory_bandwidth_gbs(threads: int, read_mib: int = 2048, copy_mib: int = 512
 
     read: a plain streaming read, one thread per core each OR-reducing its slice of a uint64 array
     (NumPy releases the GIL): the bound the decode kernels' weight and KV reads can reach. PyTorch's
-    float32 sum, used before, is limited by its own arithmetic (~15 GB/s against ~28 here).
+    float32 sum, used before, is limited by its own arithmetic and reads at about half that speed.
     copy: ``dst.copy_(src)`` (bytes read + bytes written).
     """
     array = np.ones(read_mib * 1024 * 1024 // 8, dtype=np.uint64)

@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="64")
     parser.add_argument("--duration", default="20")
     parser.add_argument("--warmup-duration", type=float, default=0.0,
-                        help="seconds of load before the measurement starts (the articles' steady state)")
+                        help="seconds of load before the measurement starts (a steady-state window)")
     args = parser.parse_args()
 
     root = psutil.Process(args.pid)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Issue 5's own measurement: ``vllm bench serve`` (vLLM's client) against several servers, side by side.
+"""``vllm bench serve`` (vLLM's own client) against several servers, side by side, as one table.
 
 For each row (input tokens, output tokens, concurrency, prompts) it runs ``vllm bench serve`` with
 random prompts, ``--ignore-eos`` and temperature 0 against every target in turn (so drift of a noisy
@@ -15,8 +15,9 @@ needs a tokenizer directory (a Hugging Face copy of the model, or
         --target pagedserve=http://127.0.0.1:8000 --target vllm=http://127.0.0.1:8002 \\
         --row 50:100:1:16 --row 50:100:16:160 --row 200:500:16:64 --output-dir bench-out/vllm-client
 
-A row is ``INPUT:OUTPUT:CONCURRENCY:PROMPTS``; the defaults are issue 5's table (short at 1, 16
-and 64, medium and long at 16 and 64).
+A row is ``INPUT:OUTPUT:CONCURRENCY:PROMPTS``; the default rows are seven: short (50/100 tokens) at
+concurrency 1, 16 and 64, medium (200/500) and long (500/1000) at 16 and 64, with 16, 160, 512, 64,
+192, 48 and 128 prompts.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Test helpers: ``RemoteServer`` runs ``pagedserve serve`` as a real subprocess on a free local port;
-``assert_bf16_close`` compares a bf16 kernel's output with PyTorch's."""
+``assert_bf16_close`` compares a bf16 kernel's output with PyTorch's; ``cpu_kernels_or_skip`` and
+``assert_no_leak`` are shared by several test folders."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import tempfile
 import time
 
 import httpx
+import pytest
 import torch
 
 DEFAULT_START_TIMEOUT_S = 240.0  # model load + warm-up take ~30-60 s on 2 cores; generous for busy CI
@@ -23,6 +25,22 @@ def assert_bf16_close(out: torch.Tensor, ref: torch.Tensor, *, atol: float, max_
     assert out.dtype == ref.dtype == torch.bfloat16 and out.shape == ref.shape
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=2**-7)
     assert (out != ref).float().mean() < max_mismatch
+
+
+def cpu_kernels_or_skip(capability: str | None = None, reason: str = "the C++ kernels could not be built here"):
+    """The compiled kernel module; skips the test when it is not built, or when ``module.<capability>()`` is False."""
+    from pagedserve.kernels import load_cpu_kernels
+
+    module = load_cpu_kernels()
+    if module is None or (capability is not None and not getattr(module, capability)()):
+        pytest.skip(reason)
+    return module
+
+
+def assert_no_leak(llm) -> None:
+    """An offline LLM with nothing left running and every KV block back in the free pool."""
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.num_free_blocks == llm.engine.num_usable_blocks
 
 
 def free_port() -> int:

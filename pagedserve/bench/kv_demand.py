@@ -23,9 +23,23 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
 
 from pagedserve.bench.request_funcs import INCOMPLETE, RequestFuncOutput
+
+
+@dataclass(slots=True)
+class KVDemand:
+    """The KV cache the requests needed at the sampled instants (``kv_demand_summary``); None: no data."""
+
+    peak_kv_demand_tokens: int | None
+    avg_kv_demand_tokens: float | None
+    kv_demand_efficiency: float | None  # average / peak of the need
+    kv_reservation_efficiency: float | None  # average / peak of reserving prompt + max_tokens
+    kv_reserved_per_needed: float | None
+    kv_block_size: int | None  # the server's cache shape, from cache_config_info
+    kv_num_blocks: int | None
+    kv_allocated_per_needed: float | None  # the server's KV usage in tokens over the need
 
 
 class _Life:
@@ -83,7 +97,7 @@ def kv_demand_summary(
     kv_usage: list[float],
     window_end: float,
     cache_config: dict[str, int] | None = None,
-) -> dict[str, Any]:
+) -> KVDemand:
     """Demand efficiency over the instants ``times`` at which ``kv_usage`` (0..1) was sampled, and,
     with ``cache_config`` (``block_size``, ``num_gpu_blocks``), the allocated tokens per needed token; and
     the reservation counterfactual's efficiency and reserved tokens per needed token."""
@@ -93,17 +107,17 @@ def kv_demand_summary(
     peak, total = max(demand, default=0), sum(demand)
     average = total / len(demand) if demand else None
     peak_reserved, total_reserved = max(reserved, default=0), sum(reserved)
-    summary: dict[str, Any] = {
-        "peak_kv_demand_tokens": peak if demand else None,
-        "avg_kv_demand_tokens": average,
-        "kv_demand_efficiency": average / peak if peak else None,
-        "kv_reservation_efficiency": total_reserved / len(reserved) / peak_reserved if peak_reserved else None,
-        "kv_reserved_per_needed": total_reserved / total if total else None,
-        "kv_block_size": cache_config["block_size"] if cache_config else None,
-        "kv_num_blocks": cache_config["num_gpu_blocks"] if cache_config else None,
-        "kv_allocated_per_needed": None,
-    }
+    allocated_per_needed = None
     if cache_config and len(kv_usage) == len(demand) and total > 0:
         allocated = sum(kv_usage) * cache_config["num_gpu_blocks"] * cache_config["block_size"]
-        summary["kv_allocated_per_needed"] = allocated / total
-    return summary
+        allocated_per_needed = allocated / total
+    return KVDemand(
+        peak_kv_demand_tokens=peak if demand else None,
+        avg_kv_demand_tokens=average,
+        kv_demand_efficiency=average / peak if peak else None,
+        kv_reservation_efficiency=total_reserved / len(reserved) / peak_reserved if peak_reserved else None,
+        kv_reserved_per_needed=total_reserved / total if total else None,
+        kv_block_size=cache_config["block_size"] if cache_config else None,
+        kv_num_blocks=cache_config["num_gpu_blocks"] if cache_config else None,
+        kv_allocated_per_needed=allocated_per_needed,
+    )

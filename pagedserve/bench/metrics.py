@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -99,10 +100,48 @@ def tokens_streamed_after(output: RequestFuncOutput, boundary: float) -> int:
     return round(output.output_tokens * after / (1 + len(output.itl)))
 
 
+@dataclass(slots=True)
+class PointMetrics:
+    """The aggregate figures of one benchmark point (``summarize``); latency stats are ``stats_ms`` dicts."""
+
+    completed: int
+    failed: int
+    incomplete: int  # cut off at the end of a --duration window
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    incomplete_output_tokens: int
+    warmup_carried_output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    ttft_ms: dict[str, float]
+    ttft_started_ms: dict[str, float]
+    started: int
+    tpot_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    e2el_ms: dict[str, float]
+    failures: dict[str, int]
+    failure_examples: dict[str, str]
+    usage_reported: bool
+    slo: dict[str, float] | None = None  # None (and no goodput_fraction) without SLOs
+    goodput: float | None = None
+    goodput_fraction: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """summary.json's fields, where ``slo`` and ``goodput_fraction`` appear only with SLOs."""
+        fields = asdict(self)
+        if self.slo is None:
+            del fields["slo"], fields["goodput_fraction"]
+        return fields
+
+
 def summarize(
-    outputs: list[RequestFuncOutput], duration_s: float, slos: dict[str, float] | None = None,
+    outputs: list[RequestFuncOutput],
+    duration_s: float,
+    slos: dict[str, float] | None = None,
     carried_output_tokens: int = 0,
-) -> dict[str, Any]:
+) -> PointMetrics:
     """Aggregate metrics of one benchmark point (the fields of summary.json except identity and memory).
 
     Requests cut off at the end of a ``--duration`` window count as ``incomplete``: neither
@@ -126,37 +165,35 @@ def summarize(
     tpots = [t for t in (request_tpot(o) for o in done) if t is not None]
     itls = [gap for o in done for gap in o.itl]
     reasons, examples = failure_reasons(outputs)
-    summary: dict[str, Any] = {
-        "completed": len(done),
-        "failed": failed,
-        "incomplete": len(cut),
-        "duration_s": duration_s,
-        "total_input_tokens": total_input,
-        "total_output_tokens": total_output,
-        "incomplete_output_tokens": cut_output,
-        "warmup_carried_output_tokens": carried_output_tokens,
-        "request_throughput": len(done) / duration_s,
-        "output_throughput": (total_output + cut_output + carried_output_tokens) / duration_s,
-        "total_token_throughput": (total_input + total_output + cut_input + cut_output + carried_output_tokens)
+    metrics = PointMetrics(
+        completed=len(done),
+        failed=failed,
+        incomplete=len(cut),
+        duration_s=duration_s,
+        total_input_tokens=total_input,
+        total_output_tokens=total_output,
+        incomplete_output_tokens=cut_output,
+        warmup_carried_output_tokens=carried_output_tokens,
+        request_throughput=len(done) / duration_s,
+        output_throughput=(total_output + cut_output + carried_output_tokens) / duration_s,
+        total_token_throughput=(total_input + total_output + cut_input + cut_output + carried_output_tokens)
         / duration_s,
-        "ttft_ms": stats_ms([o.ttft for o in done]),
-        "ttft_started_ms": stats_ms(started_ttfts),
-        "started": len(started_ttfts),
-        "tpot_ms": stats_ms(tpots),
-        "itl_ms": stats_ms(itls),
-        "e2el_ms": stats_ms([o.latency for o in done]),
-        "failures": reasons,
-        "failure_examples": examples,
-        "usage_reported": bool(done) and all(o.usage_reported for o in done),
-    }
+        ttft_ms=stats_ms([o.ttft for o in done]),
+        ttft_started_ms=stats_ms(started_ttfts),
+        started=len(started_ttfts),
+        tpot_ms=stats_ms(tpots),
+        itl_ms=stats_ms(itls),
+        e2el_ms=stats_ms([o.latency for o in done]),
+        failures=reasons,
+        failure_examples=examples,
+        usage_reported=bool(done) and all(o.usage_reported for o in done),
+    )
     if slos:
         good = sum(1 for o in done if meets_slo(o, slos))
-        summary["slo"] = dict(slos)
-        summary["goodput"] = good / duration_s
-        summary["goodput_fraction"] = good / len(outputs) if outputs else 0.0
-    else:
-        summary["goodput"] = None
-    return summary
+        metrics.slo = dict(slos)
+        metrics.goodput = good / duration_s
+        metrics.goodput_fraction = good / len(outputs) if outputs else 0.0
+    return metrics
 
 
 def cost_per_1k_output_tokens(price_per_hour: float | None, duration_s: float, output_tokens: int) -> float | None:

@@ -3,9 +3,9 @@
 Memory comes from ``psutil`` (the server's pid plus all its children) when a pid is given,
 else from the ``process_resident_memory_bytes`` gauge of the server's Prometheus ``/metrics``.
 KV usage comes from ``pagedserve:kv_cache_usage_perc`` (or vLLM's gauges) when exposed, and the
-cache's shape (block size, block count) from ``cache_config_info``. Efficiency is the articles'
-measure: average / peak over the measured phase. Each sample's time is kept, so that the KV the
-requests needed at those instants can be rebuilt afterwards (``kv_demand``).
+cache's shape (block size, block count) from ``cache_config_info``. Efficiency is average / peak
+over the measured phase, as vLLM / TGI serving comparisons report it. Each sample's time is kept,
+so that the KV the requests needed at those instants can be rebuilt afterwards (``kv_demand``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from typing import Any
+from dataclasses import dataclass
 
 import httpx
-
 
 RSS_METRICS = ("process_resident_memory_bytes",)
 KV_METRICS = ("pagedserve:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
@@ -77,6 +76,20 @@ def process_tree_rss(pid: int) -> int | None:
     return total
 
 
+@dataclass(slots=True)
+class MemoryStats:
+    """Server memory and KV usage over the measured phase; efficiency = average / peak (None: no samples)."""
+
+    peak_rss_bytes: float | None
+    avg_rss_bytes: float | None
+    memory_efficiency: float | None
+    rss_source: str | None
+    peak_kv_usage: float | None  # fraction of the KV cache, 0..1
+    avg_kv_usage: float | None
+    kv_efficiency: float | None
+    num_memory_samples: int
+
+
 class ServerMonitor:
     """Samples memory and KV usage every ``interval`` seconds between ``start()`` and ``stop()``."""
 
@@ -130,13 +143,13 @@ class ServerMonitor:
             try:
                 await asyncio.wait_for(self._stopping.wait(), delay)
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         while not self._stopping.is_set():
             await self.sample()
             try:
                 await asyncio.wait_for(self._stopping.wait(), self.interval)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def start(self, delay: float = 0.0) -> None:
@@ -149,18 +162,18 @@ class ServerMonitor:
             await self._task
         await self.sample()
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> MemoryStats:
         peak_rss = max(self.rss) if self.rss else None
         avg_rss = sum(self.rss) / len(self.rss) if self.rss else None
         peak_kv = max(self.kv) if self.kv else None
         avg_kv = sum(self.kv) / len(self.kv) if self.kv else None
-        return {
-            "peak_rss_bytes": peak_rss,
-            "avg_rss_bytes": avg_rss,
-            "memory_efficiency": avg_rss / peak_rss if peak_rss else None,
-            "rss_source": self.rss_source,
-            "peak_kv_usage": peak_kv,
-            "avg_kv_usage": avg_kv,
-            "kv_efficiency": avg_kv / peak_kv if peak_kv else None,
-            "num_memory_samples": len(self.rss),
-        }
+        return MemoryStats(
+            peak_rss_bytes=peak_rss,
+            avg_rss_bytes=avg_rss,
+            memory_efficiency=avg_rss / peak_rss if peak_rss else None,
+            rss_source=self.rss_source,
+            peak_kv_usage=peak_kv,
+            avg_kv_usage=avg_kv,
+            kv_efficiency=avg_kv / peak_kv if peak_kv else None,
+            num_memory_samples=len(self.rss),
+        )

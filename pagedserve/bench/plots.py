@@ -43,7 +43,9 @@ def _scaling_plot(path: str, workload: str, results: list[PointResult]) -> bool:
     open_loop = all(r.point.is_open for r in results)
     series = []
     for target, group in _by_target(results).items():
-        points = sorted((x, r.record) for r in group if (x := _load_x(r)) is not None and r.point.is_open == open_loop)
+        points = sorted(
+            (x, r.record.metrics) for r in group if (x := _load_x(r)) is not None and r.point.is_open == open_loop
+        )
         if points:
             series.append((target, points))
     if not series:
@@ -53,12 +55,23 @@ def _scaling_plot(path: str, workload: str, results: list[PointResult]) -> bool:
     for target, points in series:
         xs = [x for x, _ in points]
         color = colors[target]
-        ax_tput.plot(xs, [r["output_throughput"] for _, r in points], marker="o", color=color, label=target)
+        ax_tput.plot(xs, [m.output_throughput for _, m in points], marker="o", color=color, label=target)
         # NOTE: a point where nothing completed has no latency (NaN leaves a gap, not a zero)
-        ax_lat.plot(xs, [r["e2el_ms"]["p99"] if r["completed"] else math.nan for _, r in points], marker="o",
-                    color=color, label=f"{target} E2E")
-        ax_lat.plot(xs, [r["ttft_ms"]["p99"] if r["completed"] else math.nan for _, r in points], marker="x",
-                    color=color, linestyle="--", label=f"{target} TTFT")
+        ax_lat.plot(
+            xs,
+            [m.e2el_ms["p99"] if m.completed else math.nan for _, m in points],
+            marker="o",
+            color=color,
+            label=f"{target} E2E",
+        )
+        ax_lat.plot(
+            xs,
+            [m.ttft_ms["p99"] if m.completed else math.nan for _, m in points],
+            marker="x",
+            color=color,
+            linestyle="--",
+            label=f"{target} TTFT",
+        )
     xlabel = "request rate (req/s)" if open_loop else "concurrency"
     all_xs = sorted({x for _, pts in series for x, _ in pts})
     for ax, ylabel in ((ax_tput, "output tokens/s"), (ax_lat, "P99 latency (ms)")):
@@ -83,8 +96,10 @@ def _cdf_plot(path: str, workload: str, results: list[PointResult]) -> bool:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     drawn = False
     colors = _colors(results)
-    styles = {label: _LINE_STYLES[i % len(_LINE_STYLES)]
-              for i, label in enumerate(dict.fromkeys(r.point.label for r in results))}
+    styles = {
+        label: _LINE_STYLES[i % len(_LINE_STYLES)]
+        for i, label in enumerate(dict.fromkeys(r.point.label for r in results))
+    }
     for result in results:
         done = [o for o in result.outputs if o.success]
         if not done:
@@ -94,8 +109,14 @@ def _cdf_plot(path: str, workload: str, results: list[PointResult]) -> bool:
         for ax, values in zip(axes, ([o.ttft for o in done], tpots, [o.latency for o in done])):
             if values:
                 data = np.sort(np.asarray(values) * 1000.0)
-                ax.step(data, np.arange(1, len(data) + 1) / len(data), where="post", label=label,
-                        color=colors[result.target.name], linestyle=styles[result.point.label])
+                ax.step(
+                    data,
+                    np.arange(1, len(data) + 1) / len(data),
+                    where="post",
+                    label=label,
+                    color=colors[result.target.name],
+                    linestyle=styles[result.point.label],
+                )
                 drawn = True
     for ax, name in zip(axes, ("TTFT", "TPOT", "end-to-end latency")):
         ax.set_xlabel(f"{name} (ms)")
@@ -118,8 +139,14 @@ def _ttft_vs_input_plot(path: str, results: list[PointResult]) -> bool:
     for target, group in _by_target(results).items():
         done = [o for r in group for o in r.outputs if o.success]
         if done:
-            ax.scatter([o.prompt_len for o in done], [o.ttft * 1000.0 for o in done], s=10, alpha=0.6,
-                       color=colors[target], label=target)
+            ax.scatter(
+                [o.prompt_len for o in done],
+                [o.ttft * 1000.0 for o in done],
+                s=10,
+                alpha=0.6,
+                color=colors[target],
+                label=target,
+            )
             drawn = True
     ax.set_xlabel("input length (tokens)")
     ax.set_ylabel("TTFT (ms)")
@@ -151,4 +178,3 @@ def write_plots(output_dir: str, results: list[PointResult]) -> list[tuple[str, 
     if _ttft_vs_input_plot(os.path.join(plot_dir, "ttft_vs_input_len.png"), results):
         written.append(("TTFT against input length", "plots/ttft_vs_input_len.png"))
     return written
-

@@ -1,7 +1,8 @@
 """Benchmark output: the terminal tables, summary.json, per-request JSON and the Markdown report.
 
-The report follows the articles' layout: throughput per system and workload, P50/P90/P99
-latency, memory peak/average/efficiency and cost per 1k tokens, then side-by-side ratios.
+The report follows the usual serving-comparison layout: throughput per system and workload,
+P50/P90/P99 latency, memory peak/average/efficiency and cost per 1k tokens, then side-by-side
+ratios.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pagedserve.bench.runner import PointResult
+from pagedserve.bench.metrics import PointMetrics
+from pagedserve.bench.runner import PointRecord, PointResult
 
 _VERSIONED = ("pagedserve", "torch", "transformers", "httpx", "numpy", "matplotlib")
 _MIB = 1024.0 * 1024.0
@@ -66,41 +68,50 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return " ".join(shlex.quote(arg) for arg in argv)
 
 
-def comparisons(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def comparisons(records: list[PointRecord]) -> list[dict[str, Any]]:
     """For every (workload, point): each later target's figures as ratios to the first target's."""
-    by_key: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    by_key: dict[tuple[str, str], list[PointRecord]] = {}
     for record in records:
-        by_key.setdefault((record["workload"], record["point"]), []).append(record)
+        by_key.setdefault((record.workload, record.point), []).append(record)
     rows = []
     for (workload, point), group in by_key.items():
         base = group[0]
         for other in group[1:]:
-            if not base["output_throughput"] or not other["output_throughput"]:
+            b, o = base.metrics, other.metrics
+            if not b.output_throughput or not o.output_throughput:
                 continue  # one of them delivered nothing: no ratio means anything
-            both_completed = bool(base["completed"] and other["completed"])
-
-            def latency(metric: str, stat: str) -> float | None:
-                if not both_completed:
-                    return None
-                return _ratio(other[f"{metric}_ms"][stat], base[f"{metric}_ms"][stat])
-
-            rows.append({
-                "workload": workload,
-                "point": point,
-                "baseline": base["target"],
-                "target": other["target"],
-                "output_throughput_ratio": _ratio(other["output_throughput"], base["output_throughput"]),
-                "request_throughput_ratio": _ratio(other["request_throughput"], base["request_throughput"]),
-                "ttft_p50_ratio": latency("ttft", "p50"),
-                "ttft_p99_ratio": latency("ttft", "p99"),
-                "ttft_started_p99_ratio": _ratio(other["ttft_started_ms"]["p99"], base["ttft_started_ms"]["p99"])
-                if base["started"] and other["started"] else None,
-                "tpot_p50_ratio": latency("tpot", "p50"),
-                "tpot_p99_ratio": latency("tpot", "p99"),
-                "e2el_p99_ratio": latency("e2el", "p99"),
-                "peak_rss_ratio": _ratio(other["peak_rss_bytes"], base["peak_rss_bytes"]),
-            })
+            rows.append(
+                {
+                    "workload": workload,
+                    "point": point,
+                    "baseline": base.target,
+                    "target": other.target,
+                    "output_throughput_ratio": _ratio(o.output_throughput, b.output_throughput),
+                    "request_throughput_ratio": _ratio(o.request_throughput, b.request_throughput),
+                    "ttft_p50_ratio": _latency_ratio(o, b, "ttft", "p50"),
+                    "ttft_p99_ratio": _latency_ratio(o, b, "ttft", "p99"),
+                    "ttft_started_p99_ratio": _ratio(o.ttft_started_ms["p99"], b.ttft_started_ms["p99"])
+                    if b.started and o.started
+                    else None,
+                    "tpot_p50_ratio": _latency_ratio(o, b, "tpot", "p50"),
+                    "tpot_p99_ratio": _latency_ratio(o, b, "tpot", "p99"),
+                    "e2el_p99_ratio": _latency_ratio(o, b, "e2el", "p99"),
+                    "peak_rss_ratio": _ratio(other.memory.peak_rss_bytes, base.memory.peak_rss_bytes),
+                }
+            )
     return rows
+
+
+def _latency_ratio(other: PointMetrics, base: PointMetrics, metric: str, stat: str) -> float | None:
+    """A latency stat's ratio; None unless both completed requests (their zeros mean "no data")."""
+    if not (base.completed and other.completed):
+        return None
+    return _ratio(_latency(other, metric)[stat], _latency(base, metric)[stat])
+
+
+def _latency(metrics: PointMetrics, metric: str) -> dict[str, float]:
+    """The ``stats_ms`` of ``ttft``, ``tpot``, ``itl`` or ``e2el``."""
+    return getattr(metrics, f"{metric}_ms")
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:
@@ -112,6 +123,7 @@ def _ratio(value: float | None, base: float | None) -> float | None:
 def build_summary(
     results: list[PointResult], target_info: dict[str, Any], settings: dict[str, Any], command: str
 ) -> dict[str, Any]:
+    """The run's summary; ``results`` holds the ``PointRecord``s (``summary_json`` makes it JSON)."""
     records = [r.record for r in results]
     return {
         "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -125,6 +137,11 @@ def build_summary(
     }
 
 
+def summary_json(summary: dict[str, Any]) -> dict[str, Any]:
+    """What summary.json holds: the summary with each record as its flat JSON object."""
+    return {**summary, "results": [record.to_json() for record in summary["results"]]}
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text).strip("_")
 
@@ -134,18 +151,21 @@ def write_outputs(output_dir: str, summary: dict[str, Any], results: list[PointR
     os.makedirs(os.path.join(output_dir, "requests"), exist_ok=True)
     paths = {"summary": os.path.join(output_dir, "summary.json")}
     with open(paths["summary"], "w", encoding="utf-8") as file:
-        json.dump(summary, file, indent=2, default=str)
+        json.dump(summary_json(summary), file, indent=2, default=str)
     for result in results:
         name = _slug(f"{result.target.name}__{result.workload}__{result.point.label}") + ".json"
         with open(os.path.join(output_dir, "requests", name), "w", encoding="utf-8") as file:
-            json.dump({
-                "target": result.target.name,
-                "workload": result.workload,
-                "point": result.point.label,
-                "seed": result.seed,
-                "requests": [o.to_dict() for o in result.outputs],
-                "warmup_requests": [o.to_dict() for o in result.warmup_outputs],
-            }, file)
+            json.dump(
+                {
+                    "target": result.target.name,
+                    "workload": result.workload,
+                    "point": result.point.label,
+                    "seed": result.seed,
+                    "requests": [o.to_dict() for o in result.outputs],
+                    "warmup_requests": [o.to_dict() for o in result.warmup_outputs],
+                },
+                file,
+            )
     plots: list[tuple[str, str]] = []
     try:
         from pagedserve.bench.plots import write_plots
@@ -161,6 +181,7 @@ def write_outputs(output_dir: str, summary: dict[str, Any], results: list[PointR
 
 # ---- tables -------------------------------------------------------------------------------
 
+
 def _fmt(value: Any, digits: int = 1) -> str:
     if value is None:
         return "-"
@@ -169,18 +190,19 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
-def _lat(record: dict[str, Any], metric: str, stat: str) -> str:
+def _lat(record: PointRecord, metric: str, stat: str) -> str:
     """A latency cell; "-" when nothing completed (the zeros in summary.json mean "no data")."""
-    if not record["completed"]:
+    if not record.metrics.completed:
         return "-"
-    return _fmt(record[f"{metric}_ms"][stat])
+    return _fmt(_latency(record.metrics, metric)[stat])
 
 
-def _started_ttft(record: dict[str, Any]) -> str:
+def _started_ttft(record: PointRecord) -> str:
     """TTFT P99 over every request that got its first token in the window, and how many did."""
-    if not record["started"]:
+    metrics = record.metrics
+    if not metrics.started:
         return "-"
-    return f"{_fmt(record['ttft_started_ms']['p99'])} ({record['started']})"
+    return f"{_fmt(metrics.ttft_started_ms['p99'])} ({metrics.started})"
 
 
 def _mib(value: float | None) -> str:
@@ -207,29 +229,76 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 _RESULT_HEADERS = [
-    "target", "workload", "load", "ok", "fail", "cut", "req/s", "out tok/s", "tot tok/s",
-    "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99", "E2E p50", "E2E p99",
-    "peak RSS MiB", "mem eff", "KV eff", "need eff", "goodput", "$/1k tok",
+    "target",
+    "workload",
+    "load",
+    "ok",
+    "fail",
+    "cut",
+    "req/s",
+    "out tok/s",
+    "tot tok/s",
+    "TTFT p50",
+    "TTFT p99",
+    "TPOT p50",
+    "TPOT p99",
+    "ITL p99",
+    "E2E p50",
+    "E2E p99",
+    "peak RSS MiB",
+    "mem eff",
+    "KV eff",
+    "need eff",
+    "goodput",
+    "$/1k tok",
 ]
 
 
-def result_rows(records: list[dict[str, Any]]) -> list[list[str]]:
+def result_rows(records: list[PointRecord]) -> list[list[str]]:
     rows = []
     for r in records:
-        rows.append([
-            r["target"], r["workload"], r["point"], str(r["completed"]), str(r["failed"]), str(r["incomplete"]),
-            _fmt(r["request_throughput"], 2), _fmt(r["output_throughput"]), _fmt(r["total_token_throughput"]),
-            _lat(r, "ttft", "p50"), _lat(r, "ttft", "p99"), _lat(r, "tpot", "p50"), _lat(r, "tpot", "p99"),
-            _lat(r, "itl", "p99"), _lat(r, "e2el", "p50"), _lat(r, "e2el", "p99"),
-            _mib(r["peak_rss_bytes"]), _pct(r["memory_efficiency"]), _pct(r["kv_efficiency"]),
-            _pct(r["kv_demand_efficiency"]), _fmt(r["goodput"], 2), _fmt(r["cost_per_1k_output_tokens"], 5),
-        ])
+        m = r.metrics
+        rows.append(
+            [
+                r.target,
+                r.workload,
+                r.point,
+                str(m.completed),
+                str(m.failed),
+                str(m.incomplete),
+                _fmt(m.request_throughput, 2),
+                _fmt(m.output_throughput),
+                _fmt(m.total_token_throughput),
+                _lat(r, "ttft", "p50"),
+                _lat(r, "ttft", "p99"),
+                _lat(r, "tpot", "p50"),
+                _lat(r, "tpot", "p99"),
+                _lat(r, "itl", "p99"),
+                _lat(r, "e2el", "p50"),
+                _lat(r, "e2el", "p99"),
+                _mib(r.memory.peak_rss_bytes),
+                _pct(r.memory.memory_efficiency),
+                _pct(r.memory.kv_efficiency),
+                _pct(r.kv_demand.kv_demand_efficiency),
+                _fmt(m.goodput, 2),
+                _fmt(r.cost_per_1k_output_tokens, 5),
+            ]
+        )
     return rows
 
 
 _COMPARISON_HEADERS = [
-    "workload", "load", "target / baseline", "out tok/s", "TTFT p50", "TTFT p99", "TTFT p99 started", "TPOT p50",
-    "TPOT p99", "E2E p99", "peak RSS",
+    "workload",
+    "load",
+    "target / baseline",
+    "out tok/s",
+    "TTFT p50",
+    "TTFT p99",
+    "TTFT p99 started",
+    "TPOT p50",
+    "TPOT p99",
+    "E2E p99",
+    "peak RSS",
 ]
 
 
@@ -237,41 +306,57 @@ def comparison_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     def x(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}x"
 
-    return [[
-        c["workload"], c["point"], f"{c['target']} / {c['baseline']}", x(c["output_throughput_ratio"]),
-        x(c["ttft_p50_ratio"]), x(c["ttft_p99_ratio"]), x(c["ttft_started_p99_ratio"]),
-        x(c["tpot_p50_ratio"]), x(c["tpot_p99_ratio"]), x(c["e2el_p99_ratio"]), x(c["peak_rss_ratio"]),
-    ] for c in rows]
+    return [
+        [
+            c["workload"],
+            c["point"],
+            f"{c['target']} / {c['baseline']}",
+            x(c["output_throughput_ratio"]),
+            x(c["ttft_p50_ratio"]),
+            x(c["ttft_p99_ratio"]),
+            x(c["ttft_started_p99_ratio"]),
+            x(c["tpot_p50_ratio"]),
+            x(c["tpot_p99_ratio"]),
+            x(c["e2el_p99_ratio"]),
+            x(c["peak_rss_ratio"]),
+        ]
+        for c in rows
+    ]
 
 
 def terminal_report(summary: dict[str, Any]) -> str:
-    parts = ["Latencies in ms; efficiency = average / peak over the measured phase; cut = still running at the "
-             "end of a --duration window (not in the figures).",
-             format_table(_RESULT_HEADERS, result_rows(summary["results"]))]
+    parts = [
+        "Latencies in ms; efficiency = average / peak over the measured phase; cut = still running at the "
+        "end of a --duration window (not in the figures).",
+        format_table(_RESULT_HEADERS, result_rows(summary["results"])),
+    ]
     if summary["comparisons"]:
-        parts += ["", "Ratios to the first target (throughput: higher is better; latency and memory: lower is better)",
-                  format_table(_COMPARISON_HEADERS, comparison_rows(summary["comparisons"]))]
+        parts += [
+            "",
+            "Ratios to the first target (throughput: higher is better; latency and memory: lower is better)",
+            format_table(_COMPARISON_HEADERS, comparison_rows(summary["comparisons"])),
+        ]
     failures = _failure_lines(summary["results"])
     if failures:
         parts += ["", "Failures:", *failures]
     return "\n".join(parts)
 
 
-def _failure_lines(records: list[dict[str, Any]]) -> list[str]:
+def _failure_lines(records: list[PointRecord]) -> list[str]:
     lines = []
     for r in records:
-        for reason, count in r["failures"].items():
-            example = r["failure_examples"].get(reason, "")
-            lines.append(f"  {r['target']} {r['workload']} {r['point']}: {count} x {reason}: {example[:160]}")
+        for reason, count in r.metrics.failures.items():
+            example = r.metrics.failure_examples.get(reason, "")
+            lines.append(f"  {r.target} {r.workload} {r.point}: {count} x {reason}: {example[:160]}")
     return lines
 
 
 def markdown_report(summary: dict[str, Any], plots: list[tuple[str, str]]) -> str:
-    records = summary["results"]
-    targets = list(dict.fromkeys(r["target"] for r in records))
-    workloads = list(dict.fromkeys(r["workload"] for r in records))
-    points = list(dict.fromkeys(r["point"] for r in records))
-    index = {(r["target"], r["workload"], r["point"]): r for r in records}
+    records: list[PointRecord] = summary["results"]
+    targets = list(dict.fromkeys(r.target for r in records))
+    workloads = list(dict.fromkeys(r.workload for r in records))
+    points = list(dict.fromkeys(r.point for r in records))
+    index = {(r.target, r.workload, r.point): r for r in records}
     out = ["# pagedserve bench report", ""]
     out += _header_lines(summary)
     out += ["## Throughput (output tokens/s)", ""]
@@ -280,42 +365,124 @@ def markdown_report(summary: dict[str, Any], plots: list[tuple[str, str]]) -> st
     for point in points:
         rows = [[t] + [_throughput_cell(index, targets[0], t, w, point) for w in workloads] for t in targets]
         out += [f"Load: {point}", "", markdown_table(["System", *workloads], rows), ""]
-    out += ["## Latency (ms)", "",
-            "End-to-end latency (E2E) P50/P90/P99, time to first token (TTFT) and time per output token (TPOT) of "
-            "the completed requests; TTFT P99 started: of every request that got its first token in the window, "
-            "those cut off at its end too.", ""]
+    out += [
+        "## Latency (ms)",
+        "",
+        "End-to-end latency (E2E) P50/P90/P99, time to first token (TTFT) and time per output token (TPOT) of "
+        "the completed requests; TTFT P99 started: of every request that got its first token in the window, "
+        "those cut off at its end too.",
+        "",
+    ]
     rows = []
     for r in records:
-        rows.append([r["target"], r["workload"], r["point"], _lat(r, "e2el", "p50"), _lat(r, "e2el", "p90"),
-                     _lat(r, "e2el", "p99"), _lat(r, "ttft", "p50"), _lat(r, "ttft", "p99"), _started_ttft(r),
-                     _lat(r, "tpot", "p50"), _lat(r, "tpot", "p99"), _lat(r, "itl", "p99")])
-    out += [markdown_table(["System", "Workload", "Load", "E2E P50", "E2E P90", "E2E P99", "TTFT P50", "TTFT P99",
-                            "TTFT P99 started (n)", "TPOT P50", "TPOT P99", "ITL P99"], rows), ""]
-    out += ["## Memory", "",
-            "Server resident memory and KV-cache usage; efficiency = average / peak. KV needed: the context "
-            "(prompt + tokens streamed so far) of the requests in flight at the same instants, from the client's "
-            "records; its efficiency is what an allocator that wastes nothing would show under this load. "
-            "Allocated / needed: the server's KV usage in tokens (from its block size and count) over that need. "
-            "Reservation: what reserving prompt + max_tokens per request over the same lives (no paging) would "
-            "hold at the same instants; a higher efficiency there, bought with reserved / needed times the memory, "
-            "is what average / peak rewards.", ""]
-    rows = [[r["target"], r["workload"], r["point"], _mib(r["peak_rss_bytes"]), _mib(r["avg_rss_bytes"]),
-             _pct(r["memory_efficiency"]), _pct(r["peak_kv_usage"]), _pct(r["avg_kv_usage"]), _pct(r["kv_efficiency"]),
-             _fmt(r["peak_kv_demand_tokens"], 0), _pct(r["kv_demand_efficiency"]),
-             _fmt(r["kv_allocated_per_needed"], 2), _pct(r["kv_reservation_efficiency"]),
-             _fmt(r["kv_reserved_per_needed"], 2)]
-            for r in records]
-    out += [markdown_table(["System", "Workload", "Load", "Peak RSS (MiB)", "Avg RSS (MiB)", "Memory efficiency",
-                            "Peak KV", "Avg KV", "KV efficiency", "Peak KV needed (tokens)", "KV needed efficiency",
-                            "Allocated / needed", "Reservation efficiency", "Reserved / needed"], rows), ""]
-    if any(r["cost_per_1k_output_tokens"] is not None for r in records):
+        rows.append(
+            [
+                r.target,
+                r.workload,
+                r.point,
+                _lat(r, "e2el", "p50"),
+                _lat(r, "e2el", "p90"),
+                _lat(r, "e2el", "p99"),
+                _lat(r, "ttft", "p50"),
+                _lat(r, "ttft", "p99"),
+                _started_ttft(r),
+                _lat(r, "tpot", "p50"),
+                _lat(r, "tpot", "p99"),
+                _lat(r, "itl", "p99"),
+            ]
+        )
+    out += [
+        markdown_table(
+            [
+                "System",
+                "Workload",
+                "Load",
+                "E2E P50",
+                "E2E P90",
+                "E2E P99",
+                "TTFT P50",
+                "TTFT P99",
+                "TTFT P99 started (n)",
+                "TPOT P50",
+                "TPOT P99",
+                "ITL P99",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    out += [
+        "## Memory",
+        "",
+        "Server resident memory and KV-cache usage; efficiency = average / peak. KV needed: the context "
+        "(prompt + tokens streamed so far) of the requests in flight at the same instants, from the client's "
+        "records; its efficiency is what an allocator that wastes nothing would show under this load. "
+        "Allocated / needed: the server's KV usage in tokens (from its block size and count) over that need. "
+        "Reservation: what reserving prompt + max_tokens per request over the same lives (no paging) would "
+        "hold at the same instants; a higher efficiency there, bought with reserved / needed times the memory, "
+        "is what average / peak rewards.",
+        "",
+    ]
+    rows = [
+        [
+            r.target,
+            r.workload,
+            r.point,
+            _mib(r.memory.peak_rss_bytes),
+            _mib(r.memory.avg_rss_bytes),
+            _pct(r.memory.memory_efficiency),
+            _pct(r.memory.peak_kv_usage),
+            _pct(r.memory.avg_kv_usage),
+            _pct(r.memory.kv_efficiency),
+            _fmt(r.kv_demand.peak_kv_demand_tokens, 0),
+            _pct(r.kv_demand.kv_demand_efficiency),
+            _fmt(r.kv_demand.kv_allocated_per_needed, 2),
+            _pct(r.kv_demand.kv_reservation_efficiency),
+            _fmt(r.kv_demand.kv_reserved_per_needed, 2),
+        ]
+        for r in records
+    ]
+    out += [
+        markdown_table(
+            [
+                "System",
+                "Workload",
+                "Load",
+                "Peak RSS (MiB)",
+                "Avg RSS (MiB)",
+                "Memory efficiency",
+                "Peak KV",
+                "Avg KV",
+                "KV efficiency",
+                "Peak KV needed (tokens)",
+                "KV needed efficiency",
+                "Allocated / needed",
+                "Reservation efficiency",
+                "Reserved / needed",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    if any(r.cost_per_1k_output_tokens is not None for r in records):
         out += [f"## Cost per 1k output tokens (at ${summary['settings'].get('price_per_hour')}/hour)", ""]
-        rows = [[t] + [_fmt(index[(t, w, p)]["cost_per_1k_output_tokens"], 5) if (t, w, p) in index else "-"
-                       for w in workloads for p in points] for t in targets]
+        rows = [
+            [t]
+            + [
+                _fmt(index[(t, w, p)].cost_per_1k_output_tokens, 5) if (t, w, p) in index else "-"
+                for w in workloads
+                for p in points
+            ]
+            for t in targets
+        ]
         out += [markdown_table(["System", *[f"{w} {p}" for w in workloads for p in points]], rows), ""]
     if summary["comparisons"]:
-        out += ["## Side by side", "",
-                "Ratios to the first target (throughput: higher is better; latency, memory: lower is better).", ""]
+        out += [
+            "## Side by side",
+            "",
+            "Ratios to the first target (throughput: higher is better; latency, memory: lower is better).",
+            "",
+        ]
         out += [markdown_table(_COMPARISON_HEADERS, comparison_rows(summary["comparisons"])), ""]
     failures = _failure_lines(records)
     out += ["## Failures", ""] + ([f"- {line.strip()}" for line in failures] or ["None."]) + [""]
@@ -325,15 +492,16 @@ def markdown_report(summary: dict[str, Any], plots: list[tuple[str, str]]) -> st
     return "\n".join(out)
 
 
-def _throughput_cell(index: dict[tuple[str, str, str], dict[str, Any]], base: str, target: str, workload: str,
-                     point: str) -> str:
+def _throughput_cell(
+    index: dict[tuple[str, str, str], PointRecord], base: str, target: str, workload: str, point: str
+) -> str:
     record = index.get((target, workload, point))
     if record is None:
         return "-"
-    text = _fmt(record["output_throughput"])
+    text = _fmt(record.metrics.output_throughput)
     base_record = index.get((base, workload, point))
     if target != base and base_record is not None:
-        ratio = _ratio(record["output_throughput"], base_record["output_throughput"])
+        ratio = _ratio(record.metrics.output_throughput, base_record.metrics.output_throughput)
         if ratio is not None:
             text += f" ({ratio:.2f}x)"
     return text
@@ -350,9 +518,13 @@ def _header_lines(summary: dict[str, Any]) -> list[str]:
         "- Versions: " + ", ".join(f"{k} {v}" for k, v in summary["versions"].items() if v),
         "- Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items() if v not in (None, {}, [])),
         "",
-        markdown_table(["Target", "URL", "Model", "Server version"],
-                       [[name, t["url"], t["model"] or "-", t.get("server_version") or "-"]
-                        for name, t in summary["targets"].items()]),
+        markdown_table(
+            ["Target", "URL", "Model", "Server version"],
+            [
+                [name, t["url"], t["model"] or "-", t.get("server_version") or "-"]
+                for name, t in summary["targets"].items()
+            ],
+        ),
         "",
     ]
     return lines

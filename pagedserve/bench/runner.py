@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -20,16 +21,21 @@ import httpx
 import numpy as np
 
 from pagedserve.bench.datasets import PromptFactory, RequestSource, SampleRequest
-from pagedserve.bench.kv_demand import kv_demand_summary
-from pagedserve.bench.metrics import cost_per_1k_output_tokens, fill_token_counts, summarize, tokens_streamed_after
-from pagedserve.bench.monitor import ServerMonitor
+from pagedserve.bench.kv_demand import KVDemand, kv_demand_summary
+from pagedserve.bench.metrics import (
+    PointMetrics,
+    cost_per_1k_output_tokens,
+    fill_token_counts,
+    summarize,
+    tokens_streamed_after,
+)
+from pagedserve.bench.monitor import MemoryStats, ServerMonitor
 from pagedserve.bench.request_funcs import (
     ENDPOINT_PATHS,
     RequestFuncInput,
     RequestFuncOutput,
     async_request_openai,
 )
-
 
 
 @dataclass(slots=True)
@@ -115,12 +121,49 @@ class BenchOptions:
     request_timeout: float = 3600.0
     drain_timeout: float = math.inf  # after --duration: how long in-flight requests may finish
     warmup_output_len: int | None = 16  # cap on warm-up outputs (they only warm the server up)
-    # with duration: seconds the load runs before the measured window opens (the articles' steady state)
+    # with duration: seconds the load runs before the measured window opens (a steady-state window)
     warmup_duration: float = 0.0
     # closed loop: clients start one by one, evenly over this many seconds (inside the warm-up), so
     # their requests' phases are spread as in a long-running service instead of all starting at once
     ramp_up: float = 0.0
     progress: bool = True
+
+
+@dataclass(slots=True)
+class PointRecord:
+    """The summary of one (target, workload, load point) run: its identity, then its figures.
+
+    ``to_json()`` is its object in summary.json's ``results``: these fields in this order, with those
+    of ``metrics``, ``memory`` and ``kv_demand`` spliced in flat where they stand.
+    """
+
+    target: str
+    url: str
+    model: str
+    workload: str
+    point: str  # the load point's label
+    concurrency: int | None
+    request_rate: float | str | None  # "inf" for an infinite rate (JSON has no infinity)
+    burstiness: float | None  # open loop only
+    seed: int
+    num_requests: int
+    metrics: PointMetrics
+    memory: MemoryStats
+    price_per_hour: float | None
+    cost_per_1k_output_tokens: float | None
+    kv_demand: KVDemand
+
+    def to_json(self) -> dict[str, Any]:
+        record: dict[str, Any] = {}
+        for name in (f.name for f in fields(self)):
+            value = getattr(self, name)
+            if isinstance(value, PointMetrics):
+                record.update(value.to_json())
+            elif isinstance(value, (MemoryStats, KVDemand)):
+                record.update(asdict(value))
+            else:
+                record[name] = value
+        return record
 
 
 @dataclass(slots=True)
@@ -133,7 +176,7 @@ class PointResult:
     seed: int
     outputs: list[RequestFuncOutput]
     warmup_outputs: list[RequestFuncOutput]
-    record: dict[str, Any]
+    record: PointRecord
 
 
 def arrival_intervals(request_rate: float, burstiness: float, rng: np.random.Generator) -> Iterator[float]:
@@ -242,7 +285,9 @@ async def resolve_model(client: httpx.AsyncClient, target: Target, options: Benc
     """The model name to send: the target's, the run's, or the first one the server lists."""
     if target.model or options.model:
         return target.model or options.model or ""
-    headers = {"Authorization": f"Bearer {target.api_key or options.api_key}"} if (target.api_key or options.api_key) else {}
+    headers = (
+        {"Authorization": f"Bearer {target.api_key or options.api_key}"} if (target.api_key or options.api_key) else {}
+    )
     try:
         response = await client.get(target.url("/v1/models"), headers=headers, timeout=10.0)
         data = response.json().get("data") or []
@@ -275,50 +320,104 @@ async def run_point(
     tokenizer: Any | None = None,
 ) -> PointResult:
     """Warm up, then measure one load point against one target."""
-    api_key = target.api_key if target.api_key is not None else options.api_key
+    make_input = functools.partial(_request_input, target=target, model=model, options=options)
+    warmup_outputs = await _warm_up(client, source, point, options, make_input)
+    window = await _measure(
+        client, target, source, point, seed, options, make_input, f"{target.name} {workload} {point.label}"
+    )
+    outputs, before_window = window.sender.measured, window.sender.unmeasured
+    _rebase_times(outputs + before_window + warmup_outputs, window.opens)
+    fill_token_counts(outputs + before_window, tokenizer)
+    carried = sum(tokens_streamed_after(output, 0.0) for output in before_window)  # streamed inside the window
+    warmup_outputs.extend(before_window)
+    record = _point_record(target, model, workload, point, seed, options, window, warmup_outputs, carried)
+    return PointResult(target, workload, point, seed, outputs, warmup_outputs, record)
 
-    def make_input(sample: SampleRequest, warmup: bool) -> RequestFuncInput:
-        output_len = sample.output_len
-        if warmup and options.warmup_output_len:
-            output_len = min(output_len, options.warmup_output_len)
-        return RequestFuncInput(
-            prompt=sample.prompt,
-            prompt_len=sample.prompt_len,
-            output_len=output_len,
-            model=model,
-            api_url=target.url(ENDPOINT_PATHS[options.endpoint]),
-            endpoint=options.endpoint,
-            api_key=api_key,
-            ignore_eos=options.ignore_eos,
-            temperature=options.temperature,
-            include_usage=options.include_usage,
-            extra_body=options.extra_body,
-            workload=sample.workload,
-        )
 
-    warmup_outputs: list[RequestFuncOutput] = []
+def _request_input(
+    sample: SampleRequest, warmup: bool, *, target: Target, model: str, options: BenchOptions
+) -> RequestFuncInput:
+    """The request that sends ``sample`` to ``target``; a warm-up's output is capped at ``warmup_output_len``."""
+    output_len = sample.output_len
+    if warmup and options.warmup_output_len:
+        output_len = min(output_len, options.warmup_output_len)
+    return RequestFuncInput(
+        prompt=sample.prompt,
+        prompt_len=sample.prompt_len,
+        output_len=output_len,
+        model=model,
+        api_url=target.url(ENDPOINT_PATHS[options.endpoint]),
+        endpoint=options.endpoint,
+        api_key=target.api_key if target.api_key is not None else options.api_key,
+        ignore_eos=options.ignore_eos,
+        temperature=options.temperature,
+        include_usage=options.include_usage,
+        extra_body=options.extra_body,
+        workload=sample.workload,
+    )
 
-    async def send_warmup(sample: SampleRequest, scheduled: float | None, measured: bool) -> RequestFuncOutput:
-        warmup_outputs.append(RequestFuncOutput())
-        return await async_request_openai(client, make_input(sample, True), scheduled, warmup_outputs[-1])
 
-    if options.num_warmups > 0:
-        warm_feed = _Feed(source, options.num_warmups, None)
-        await _closed_loop(warm_feed, min(options.num_warmups, point.concurrency or 1), send_warmup)
+@dataclass(slots=True)
+class _Sender:
+    """A ``Send``: streams each request into a new output and keeps it, the measured ones apart."""
 
-    feed = _Feed(source, options.num_prompts, options.duration)
-    progress = _progress_bar(options, f"{target.name} {workload} {point.label}")
-    outputs: list[RequestFuncOutput] = []
-    steady_warmup: list[RequestFuncOutput] = []  # sent under load before the window opened
+    client: httpx.AsyncClient
+    make_input: Callable[[SampleRequest, bool], RequestFuncInput]
+    warmup: bool = False  # --num-warmups requests: capped outputs, none measured
+    progress: Any = None
+    measured: list[RequestFuncOutput] = field(default_factory=list)
+    unmeasured: list[RequestFuncOutput] = field(default_factory=list)  # warm-ups, or sent before the window opened
 
-    async def send(sample: SampleRequest, scheduled: float | None, measured: bool) -> RequestFuncOutput:
+    async def __call__(self, sample: SampleRequest, scheduled: float | None, measured: bool) -> RequestFuncOutput:
+        measured = measured and not self.warmup
         output = RequestFuncOutput()
-        (outputs if measured else steady_warmup).append(output)  # NOTE: first, so a cut-off request still counts
-        await async_request_openai(client, make_input(sample, False), scheduled, output)
-        if progress is not None and measured:
-            progress.update(1)
+        (self.measured if measured else self.unmeasured).append(
+            output
+        )  # NOTE: first, so a cut-off request still counts
+        await async_request_openai(self.client, self.make_input(sample, self.warmup), scheduled, output)
+        if self.progress is not None and measured:
+            self.progress.update(1)
         return output
 
+
+async def _warm_up(
+    client: httpx.AsyncClient,
+    source: RequestSource,
+    point: LoadPoint,
+    options: BenchOptions,
+    make_input: Callable[[SampleRequest, bool], RequestFuncInput],
+) -> list[RequestFuncOutput]:
+    """The ``num_warmups`` requests sent before the load point (closed loop, outputs capped); their outputs."""
+    sender = _Sender(client, make_input, warmup=True)
+    if options.num_warmups > 0:
+        feed = _Feed(source, options.num_warmups, None)
+        await _closed_loop(feed, min(options.num_warmups, point.concurrency or 1), sender)
+    return sender.unmeasured
+
+
+@dataclass(slots=True)
+class _Window:
+    """The measured phase: its requests (``sender``), the server's samples, when it opened (perf_counter), its length."""
+
+    sender: _Sender
+    monitor: ServerMonitor
+    opens: float
+    duration: float
+
+
+async def _measure(
+    client: httpx.AsyncClient,
+    target: Target,
+    source: RequestSource,
+    point: LoadPoint,
+    seed: int,
+    options: BenchOptions,
+    make_input: Callable[[SampleRequest, bool], RequestFuncInput],
+    description: str,
+) -> _Window:
+    """Run the load at ``point`` while sampling the server, until it is done or the window is over."""
+    feed = _Feed(source, options.num_prompts, options.duration)
+    sender = _Sender(client, make_input, progress=_progress_bar(options, description))
     monitor = ServerMonitor(client, target.url("/metrics"), target.pid or options.server_pid, options.memory_interval)
     warmup_s = options.warmup_duration if options.duration else 0.0
     opens = time.perf_counter() + warmup_s  # when the measured window opens
@@ -326,72 +425,85 @@ async def run_point(
         await monitor.sample()
     monitor.start(delay=warmup_s)
     feed.start(opens)
-    if point.is_open:
-        measured = asyncio.create_task(_open_loop(feed, point, seed, send))
-    else:
-        measured = asyncio.create_task(_closed_loop(feed, point.concurrency or 1, send, options.ramp_up))
-    window = None
-    if options.duration and not math.isinf(options.drain_timeout):
-        window = warmup_s + options.duration + options.drain_timeout
-    done, _ = await asyncio.wait({measured}, timeout=window)
-    if done:
-        measured.result()
-    else:  # the window is over: cut off what is still running
-        measured.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await measured
+    await _run_or_cut_off(_load(feed, point, seed, sender, options), _time_limit(options, warmup_s))
     duration = time.perf_counter() - opens
     await monitor.stop()
-    if progress is not None:
-        progress.close()
-    for output in outputs + steady_warmup + warmup_outputs:
+    if sender.progress is not None:
+        sender.progress.close()
+    return _Window(sender, monitor, opens, duration)
+
+
+def _load(feed: _Feed, point: LoadPoint, seed: int, send: Send, options: BenchOptions) -> Coroutine[Any, Any, None]:
+    """The load: arrivals at the point's rate (open loop), else its number of clients (closed loop)."""
+    if point.is_open:
+        return _open_loop(feed, point, seed, send)
+    return _closed_loop(feed, point.concurrency or 1, send, options.ramp_up)
+
+
+def _time_limit(options: BenchOptions, warmup_s: float) -> float | None:
+    """How long the load may run (warm-up, window and drain time); None: until every request is done."""
+    if options.duration and not math.isinf(options.drain_timeout):
+        return warmup_s + options.duration + options.drain_timeout
+    return None
+
+
+async def _run_or_cut_off(load: Coroutine[Any, Any, None], timeout: float | None) -> None:
+    """Run ``load`` to its end, or cancel it after ``timeout`` seconds (the requests still running are cut off)."""
+    task = asyncio.create_task(load)
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if done:
+        task.result()
+    else:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _rebase_times(outputs: list[RequestFuncOutput], opens: float) -> None:
+    """Send and schedule times from perf_counter to seconds since the window opened (negative before it)."""
+    for output in outputs:
         output.start_time -= opens
         if output.scheduled_time is not None:
             output.scheduled_time -= opens
-    fill_token_counts(outputs + steady_warmup, tokenizer)
-    carried = sum(tokens_streamed_after(output, 0.0) for output in steady_warmup)
-    warmup_outputs.extend(steady_warmup)
-    sampled = monitor.kv_times or monitor.sample_times  # the KV samples' instants, else the memory samples'
-    demand = kv_demand_summary(outputs + warmup_outputs, [t - opens for t in sampled], monitor.kv, duration,
-                               monitor.cache_config)
-    record = _record(target, model, workload, point, seed, outputs, duration, monitor, options, carried)
-    record.update(demand)
-    return PointResult(target, workload, point, seed, outputs, warmup_outputs, record)
 
 
-def _record(
+def _point_record(
     target: Target,
     model: str,
     workload: str,
     point: LoadPoint,
     seed: int,
-    outputs: list[RequestFuncOutput],
-    duration: float,
-    monitor: ServerMonitor,
     options: BenchOptions,
-    carried_output_tokens: int = 0,
-) -> dict[str, Any]:
-    record: dict[str, Any] = {
-        "target": target.name,
-        "url": target.base_url,
-        "model": model,
-        "workload": workload,
-        "point": point.label,
-        "concurrency": point.concurrency,
-        "request_rate": point.request_rate if point.request_rate is None or not math.isinf(point.request_rate) else "inf",
-        "burstiness": point.burstiness if point.is_open else None,
-        "seed": seed,
-        "num_requests": len(outputs),
-    }
-    record.update(summarize(outputs, duration, options.slos, carried_output_tokens))
-    record.update(monitor.summary())
-    record["price_per_hour"] = options.price_per_hour
-    record["cost_per_1k_output_tokens"] = cost_per_1k_output_tokens(
-        # NOTE: the tokens the window produced, as in output_throughput (cut-off requests included)
-        options.price_per_hour, record["duration_s"],
-        record["total_output_tokens"] + record["incomplete_output_tokens"] + record["warmup_carried_output_tokens"],
+    window: _Window,
+    warmup_outputs: list[RequestFuncOutput],
+    carried_output_tokens: int,
+) -> PointRecord:
+    """The point's summary: the measured requests' metrics, the server's memory, the cost and the KV needed."""
+    outputs, monitor = window.sender.measured, window.monitor
+    sampled = monitor.kv_times or monitor.sample_times  # the KV samples' instants, else the memory samples'
+    kv_demand = kv_demand_summary(
+        outputs + warmup_outputs, [t - window.opens for t in sampled], monitor.kv, window.duration, monitor.cache_config
     )
-    return record
+    metrics = summarize(outputs, window.duration, options.slos, carried_output_tokens)
+    # NOTE: the tokens the window produced, as in output_throughput (cut-off requests included)
+    delivered = metrics.total_output_tokens + metrics.incomplete_output_tokens + metrics.warmup_carried_output_tokens
+    return PointRecord(
+        target=target.name,
+        url=target.base_url,
+        model=model,
+        workload=workload,
+        point=point.label,
+        concurrency=point.concurrency,
+        request_rate=point.request_rate if point.request_rate is None or not math.isinf(point.request_rate) else "inf",
+        burstiness=point.burstiness if point.is_open else None,
+        seed=seed,
+        num_requests=len(outputs),
+        metrics=metrics,
+        memory=monitor.summary(),
+        price_per_hour=options.price_per_hour,
+        cost_per_1k_output_tokens=cost_per_1k_output_tokens(options.price_per_hour, metrics.duration_s, delivered),
+        kv_demand=kv_demand,
+    )
 
 
 def _progress_bar(options: BenchOptions, description: str) -> Any:

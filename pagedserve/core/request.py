@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from pagedserve.outputs import FinishReason, TokenLogprob
 from pagedserve.sampling_params import SamplingParams
 
@@ -24,6 +22,9 @@ class Request:
 
     Invariants: ``num_computed_tokens <= num_tokens``; tokens ``[0, num_computed_tokens)`` have
     their K/V in ``block_ids`` (``len(block_ids) * block_size >= num_computed_tokens``).
+
+    Pure data, no tensors: a seeded sample's random generator lives in the model runner, keyed by
+    ``key`` (sample ``i`` seeded with ``sampling_params.seed + i``).
     """
 
     request_id: str
@@ -45,8 +46,6 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
-    generator: torch.Generator | None = None  # set when the request has a seed
-    fork_generators: list[torch.Generator] = field(default_factory=list)  # seeded samples 1..n-1, before the fork
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     first_output_sent: bool = False
@@ -85,7 +84,6 @@ class Request:
     def fork(self, index: int) -> Request:
         """A new sample that shares this one's progress; the caller shares the blocks (ref counts)."""
         params = self.sampling_params
-        generator = self.fork_generators[index - 1] if self.fork_generators else None
         return Request(
             request_id=self.request_id,
             index=index,
@@ -102,6 +100,5 @@ class Request:
             num_registered_blocks=self.num_registered_blocks,
             status=self.status,
             first_scheduled_time=self.first_scheduled_time,
-            generator=generator,
             prompt_logprobs_sent=True,
         )

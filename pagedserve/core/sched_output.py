@@ -27,9 +27,14 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """One step's work. ``finished_req_ids``: the keys ``(request_id, index)`` of the samples that
+    finished (stopped, aborted) since the previous non-empty output, so that the runner drops their
+    per-sample state (a seeded sample's generator) before this step, where a key may be reused."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
     num_batched_tokens: int = 0
+    finished_req_ids: set[tuple[str, int]] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

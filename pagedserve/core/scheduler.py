@@ -18,7 +18,7 @@ from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pagedserve.engine.messages import ITERATION_TOKEN_BUCKETS, EngineCoreOutput, SchedulerStats
+from pagedserve.messages import ITERATION_TOKEN_BUCKETS, EngineCoreOutput, SchedulerStats
 from pagedserve.outputs import FinishReason
 
 
@@ -32,6 +32,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, list[Request]] = {}
+        # keys of the samples finished since the last non-empty SchedulerOutput, which carries them to the
+        # runner (its per-sample state: seeded generators). A preempted sample is not finished: it keeps its
+        # generator's state across the recompute, so its later tokens are those it would have drawn anyway.
+        self.finished_req_ids: set[tuple[str, int]] = set()
         # cumulative counters: num_preemptions, num_prompt_tokens, num_generation_tokens, num_steps and
         # the step-token histogram (_iteration_token_counts, _iteration_tokens_sum)
         self.reset_counters()
@@ -120,7 +124,10 @@ class Scheduler:
 
         scheduled.sort(key=lambda s: not s.is_decode)  # decodes first (stable)
         num_tokens = self.config.max_num_batched_tokens - budget
-        return SchedulerOutput(scheduled, self.kv_cache.take_pending_copies(), num_tokens)
+        output = SchedulerOutput(scheduled, self.kv_cache.take_pending_copies(), num_tokens)
+        if scheduled:  # an empty output never reaches the runner: the keys wait for the next step that does
+            output.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        return output
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance progress, cache full blocks, append sampled tokens, finish and free requests."""
@@ -264,6 +271,8 @@ class Scheduler:
         request.finish_reason = reason
         request.stop_reason = stop_reason
         self.kv_cache.free(request)
+        # an unforked sample 0 also stands for samples 1..n-1, whose generators the runner may have made
+        self.finished_req_ids.update((request.request_id, request.index + i) for i in range(request.num_samples_to_fork))
         samples = self.requests.get(request.request_id)
         if samples is not None:
             samples.remove(request)

@@ -13,10 +13,11 @@ import time
 from collections.abc import AsyncGenerator, Callable
 
 from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
-from pagedserve.engine.messages import EngineCoreRequest, ModelInfo, SchedulerStats
 from pagedserve.engine.output_processor import IterationStats, OutputProcessor
+from pagedserve.messages import EngineCoreRequest, ModelInfo, SchedulerStats
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.tokenizer import request_eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +63,14 @@ class AsyncLLM:
     def __init__(
         self,
         core: EngineCoreClient,
+        tokenizer,
         stat_observers: list[Callable[[IterationStats], None]] | None = None,
     ) -> None:
         self.core = core
         self.model_info: ModelInfo = core.model_info
-        self.tokenizer = self.model_info.tokenizer
+        self.tokenizer = tokenizer  # the front end's (HF fast tokenizer); the engine works in token ids
+        # empty (the model's own EOS ids) unless the tokenizer's EOS is not among them (sent with each request)
+        self._eos_token_ids = request_eos_token_ids(self.model_info.eos_token_ids, tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
         self.stat_observers = list(stat_observers or [])
         self._collectors: dict[str, RequestOutputCollector] = {}
@@ -75,6 +79,10 @@ class AsyncLLM:
         self._dead_callbacks: list[Callable[[BaseException], None]] = []
 
     # ----------------------------------------------------------------- lifecycle
+    async def warmup(self) -> None:
+        """A real forward pass in the engine core before serving; call before ``start``."""
+        await self.core.warmup()
+
     async def start(self) -> None:
         await self.core.start()
         if self._handler_task is None:
@@ -115,15 +123,18 @@ class AsyncLLM:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield delta RequestOutputs until the request finishes; abort it if the caller goes away.
 
-        Raises ValueError if the engine refuses the request, EngineDeadError if the core died.
+        The request was checked by the caller (the serving layer); raises ValueError for a request id
+        already in flight (the one place the server checks uniqueness), EngineDeadError if the core died.
         """
         if self.is_dead:
             raise EngineDeadError("the engine core is dead")
+        if request_id in self._collectors:
+            raise ValueError(f"request id {request_id!r} is already in use")
         arrival_time = time.monotonic()
         collector = RequestOutputCollector()
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, arrival_time, cumulative=False)
         self._collectors[request_id] = collector
-        request = EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time, priority)
+        request = EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time, priority, self._eos_token_ids)
         finished = False
         try:
             await self.core.add_request(request)

@@ -1,16 +1,23 @@
 """EngineCoreClient: the one interface the async front end uses to reach an engine core.
 
-Implementations: the paged engine running its step loop in a background thread
-(``ThreadedEngineCoreClient``) and the one-request-at-a-time Transformers baseline
-(``HFEngineCoreClient``, ``--engine hf``). Swapping the core swaps the engine; the HTTP
-front end and the output processing stay the same.
+An engine core is a synchronous engine (``LLMEngine``, or ``HFEngine`` for ``--engine hf``) driven by
+the engine-core loop (``core_loop.py``) in a background thread of this process
+(``ThreadedEngineCoreClient``) or in a forked process (``MPEngineCoreClient``).
+``make_engine_core_client`` builds one; swapping the engine or the core leaves the front end as it is.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
-from pagedserve.engine.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
+from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
+
+if TYPE_CHECKING:
+    from pagedserve.config import EngineConfig
+
+ENGINES = ("paged", "hf")
+CORES = ("process", "thread")
 
 
 class EngineDeadError(RuntimeError):
@@ -19,6 +26,10 @@ class EngineDeadError(RuntimeError):
 
 class EngineCoreClient(ABC):
     """Async handle on an engine core. All methods are called from one event loop."""
+
+    @abstractmethod
+    async def warmup(self) -> None:
+        """A real forward pass in the core (first-call costs); call before ``start``."""
 
     @abstractmethod
     async def start(self) -> None:
@@ -30,7 +41,10 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     async def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a validated request; its outputs arrive through ``get_outputs``."""
+        """Queue a request the front end has checked; its outputs arrive through ``get_outputs``.
+
+        No round trip: messages reach the core in the order they were sent (an abort after it applies after it).
+        """
 
     @abstractmethod
     async def abort_requests(self, request_ids: list[str]) -> None:
@@ -51,9 +65,46 @@ class EngineCoreClient(ABC):
     @property
     @abstractmethod
     def model_info(self) -> ModelInfo:
-        """The served model's name, limits, EOS ids and tokenizer (available before ``start``)."""
+        """The served model's name, limits, EOS ids and dtype (available before ``start``)."""
 
     @property
     @abstractmethod
     def is_dead(self) -> bool:
         """True once the core has failed."""
+
+
+def build_engine(config: EngineConfig, engine: str = "paged"):
+    """The synchronous engine ``engine`` names: ``LLMEngine`` ("paged") or ``HFEngine`` ("hf")."""
+    if engine == "paged":
+        from pagedserve.engine.llm_engine import LLMEngine
+
+        return LLMEngine(config)
+    if engine == "hf":
+        from pagedserve.engine.hf_core import HFEngine
+
+        return HFEngine(config)
+    raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+
+
+def make_engine_core_client(config: EngineConfig, *, engine: str = "paged", core: str = "process",
+                            close_fds: tuple[int, ...] = ()) -> EngineCoreClient:
+    """Build the engine ``engine`` ("paged" | "hf") and its core ``core`` ("process" | "thread").
+
+    "process" forks at once (call it before starting any thread) and closes ``close_fds`` in the child
+    (e.g. the server's listening socket); "thread" builds the engine in this process.
+    Raises RuntimeError (process) or the engine's own error (thread) if the engine cannot be built.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+    if core == "process":
+        from pagedserve.engine.mp_client import MPEngineCoreClient
+
+        return MPEngineCoreClient(config, engine=engine, close_fds=close_fds)
+    if core == "thread":
+        from pagedserve.engine.threaded_client import ThreadedEngineCoreClient
+
+        return ThreadedEngineCoreClient(build_engine(config, engine))
+    raise ValueError(f"core must be one of {', '.join(CORES)}; got {core!r}")
+
+
+__all__ = ["EngineCoreClient", "EngineDeadError", "build_engine", "make_engine_core_client"]

@@ -1,28 +1,25 @@
-"""HFEngineCoreClient (``--engine hf``): the articles' FastAPI + Transformers baseline as an engine core.
+"""HFEngine (``--engine hf``): a FastAPI + Transformers serving baseline as an engine.
 
-A ``transformers`` causal LM decodes ONE request at a time in a background thread, token by
-token with the Hugging Face KV cache (``DynamicCache``); other requests wait in a FIFO queue.
-There is no batching and no paged cache: this is the design pagedserve is measured against.
+A ``transformers`` causal LM decodes ONE request at a time, token by token with the Hugging Face KV
+cache (``DynamicCache``); other requests wait in a FIFO queue. There is no batching and no paged
+cache: this is the design pagedserve is measured against. It has LLMEngine's synchronous surface
+(``step()`` makes one token of the current request), so the same engine-core loop and clients drive it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 import logging
 import os
-import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
-from pagedserve.engine.output_mailbox import OutputMailbox
-from pagedserve.engine.validation import check_request
-from pagedserve.engine.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
+from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
 from pagedserve.outputs import FinishReason, TokenLogprob
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.sampler import Sampler, SamplingRow
@@ -32,10 +29,11 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_hf_model(config: EngineConfig, device: torch.device) -> tuple[Any, Any, tuple[int, ...], dict[str, Any], str]:
-    """(model, tokenizer, eos ids, generation config, path) for a GGUF file or a Hugging Face directory.
+def load_hf_model(config: EngineConfig, device: torch.device) -> tuple[Any, tuple[int, ...], dict[str, Any], str]:
+    """(model, eos ids, generation config, path) for a GGUF file or a Hugging Face directory (no tokenizer:
+    the front end adds its tokenizer's EOS to requests when these ids are empty).
 
-    ``dtype=auto`` means float32, as the articles' baseline runs it.
+    ``dtype=auto`` means float32, Transformers' own default, as such baselines run.
     """
     from pagedserve.models.default_model import default_model_path
     from pagedserve.models.registry import ModelLoadError
@@ -49,10 +47,8 @@ def load_hf_model(config: EngineConfig, device: torch.device) -> tuple[Any, Any,
 
 
 def _load(config: EngineConfig, path: str, dtype: torch.dtype,
-          device: torch.device) -> tuple[Any, Any, tuple[int, ...], dict[str, Any], str]:
+          device: torch.device) -> tuple[Any, tuple[int, ...], dict[str, Any], str]:
     from transformers import AutoModelForCausalLM
-
-    from pagedserve.tokenizer import load_tokenizer
 
     generation_config: dict[str, Any] = {}
     if path.endswith(".gguf"):
@@ -68,10 +64,8 @@ def _load(config: EngineConfig, path: str, dtype: torch.dtype,
             with open(generation_file, encoding="utf-8") as file:
                 generation_config = json.load(file)
         eos_ids = _id_list(model.config.eos_token_id) + _id_list(generation_config.get("eos_token_id"))
-    tokenizer = load_tokenizer(config.model.tokenizer or path)
-    eos_ids += _id_list(tokenizer.eos_token_id) if not eos_ids else []
     model.to(device).eval()
-    return model, tokenizer, tuple(dict.fromkeys(eos_ids)), generation_config, path
+    return model, tuple(dict.fromkeys(eos_ids)), generation_config, path
 
 
 def _id_list(value: int | list[int] | None) -> list[int]:
@@ -80,16 +74,37 @@ def _id_list(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-class HFEngineCoreClient(EngineCoreClient):
-    """EngineCoreClient over a Transformers model, one request at a time (the ``hf`` engine).
+@dataclass(slots=True)
+class _Running:
+    """The request being served: its samples run one after another."""
 
-    Invariants: only the worker thread runs the model; the event loop and the thread share
-    ``_queue``, ``_live``, ``_aborted`` and ``_stopped`` only under ``_lock``;
-    a request id is in ``_live`` from ``add_request`` until its last sample finishes.
+    request: EngineCoreRequest
+    first_scheduled_time: float
+    next_index: int = 0  # the sample to start next
+
+
+@dataclass(slots=True)
+class _Sample:
+    """One sample being decoded: its KV cache and the logits of the next token."""
+
+    index: int
+    generator: torch.Generator | None
+    eos_token_ids: tuple[int, ...]
+    max_tokens: int
+    output_ids: list
+    past_key_values: Any = None
+    logits: Any = None  # [1, vocab] for the next token; None: the model must first run the last one
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+class HFEngine:
+    """A Transformers model serving one request at a time, one token per ``step()`` (the ``hf`` engine).
+
+    Not thread-safe: one caller drives it (the engine-core loop). A request id is in ``_live`` from
+    ``add_request`` until its last sample finishes or it is aborted.
     """
 
-    def __init__(self, config: EngineConfig, model: Any = None, tokenizer: Any = None,
-                 eos_token_ids: tuple[int, ...] | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: Any = None, eos_token_ids: tuple[int, ...] | None = None) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -99,7 +114,7 @@ class HFEngineCoreClient(EngineCoreClient):
         self.device = torch.device(device)
         generation_config: dict[str, Any] = {}
         if model is None:
-            model, tokenizer, eos_token_ids, generation_config, path = load_hf_model(config, self.device)
+            model, eos_token_ids, generation_config, path = load_hf_model(config, self.device)
             from pagedserve.models.loader import derive_model_name
 
             name = config.model.served_model_name or derive_model_name(path)
@@ -113,201 +128,169 @@ class HFEngineCoreClient(EngineCoreClient):
         self.max_model_len = config.model.max_model_len or model_len
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(self.vocab_size, torch.Generator(device=self.device).manual_seed(config.model.seed))
-        self._model_info = ModelInfo(
+        self.model_info = ModelInfo(
             model_name=name,
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids,
-            tokenizer=tokenizer,
+            dtype=str(model.dtype).removeprefix("torch."),
             generation_config=generation_config,
             engine_name="hf",
         )
-        self._lock = threading.Lock()
-        self._wakeup = threading.Event()
         self._queue: collections.deque[EngineCoreRequest] = collections.deque()
         self._live: set[str] = set()
-        self._aborted: set[str] = set()
-        self._stopped: set[tuple[str, int]] = set()
-        self._mailbox = OutputMailbox()
-        self._stopping = False
-        self._running = 0
-        self._error: BaseException | None = None
+        self._stopped: set[tuple[str, int]] = set()  # samples of live requests finished early
+        self._running: _Running | None = None
+        self._sample: _Sample | None = None
         self._counters = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
 
-    # ----------------------------------------------------------------- EngineCoreClient
-    @property
-    def model_info(self) -> ModelInfo:
-        return self._model_info
+    # ----------------------------------------------------------------- requests
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request the front end checked; the engine's invariants are asserted."""
+        assert 0 < len(request.prompt_token_ids) < self.max_model_len, "prompt empty or longer than the context"
+        assert request.request_id not in self._live, f"request id {request.request_id!r} in flight"
+        self._live.add(request.request_id)
+        self._queue.append(request)
 
-    @property
-    def is_dead(self) -> bool:
-        return self._error is not None
-
-    async def warmup(self) -> None:
-        """One short generation before serving (first-call costs); call before ``start``."""
-        if self._thread is None:
-            params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
-            request = EngineCoreRequest("__warmup__", [1, 2, 3, 4], params, time.monotonic())
-            await asyncio.to_thread(lambda: list(self._generate(request, 0, None)))
-            self._counters = dict.fromkeys(self._counters, 0)
-
-    async def start(self) -> None:
-        if self._thread is not None:
+    def abort_requests(self, request_ids) -> None:
+        ids = {rid for rid in request_ids if rid in self._live}
+        if not ids:
             return
-        self._loop = asyncio.get_running_loop()
-        self._mailbox.bind(self._loop)
-        self._thread = threading.Thread(target=self._run, name="hf-engine-core", daemon=True)
-        self._thread.start()
+        if self._running is not None and self._running.request.request_id in ids:
+            self._sample = None
+            self._finish_running()
+        for request in [r for r in self._queue if r.request_id in ids]:
+            self._queue.remove(request)
+            self._forget(request.request_id)
 
-    async def shutdown(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._queue.clear()
-        self._wakeup.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            await asyncio.to_thread(self._thread.join, 30.0)
+    def stop_samples(self, samples) -> None:
+        running = self._running
+        for sample in samples:
+            if sample[0] not in self._live:
+                continue
+            if (running is not None and self._sample is not None and sample[0] == running.request.request_id
+                    and sample[1] == self._sample.index):
+                self._end_sample()
+            else:
+                self._stopped.add(tuple(sample))
 
-    async def add_request(self, request: EngineCoreRequest) -> None:
-        if self._error is not None:
-            raise EngineDeadError(f"the engine core died: {self._error!r}")
-        if self._stopping or self._thread is None:
-            raise EngineDeadError("the engine core is not running")
-        self.validate_request(request)
-        with self._lock:
-            if request.request_id in self._live:
-                raise ValueError(f"request id {request.request_id!r} is already in use")
-            self._live.add(request.request_id)
-            self._queue.append(request)
-        self._wakeup.set()
-
-    async def abort_requests(self, request_ids: list[str]) -> None:
-        with self._lock:
-            ids = {rid for rid in request_ids if rid in self._live}
-            if not ids:
-                return
-            self._aborted |= ids
-            queued = [r for r in self._queue if r.request_id in ids]
-            for request in queued:
-                self._queue.remove(request)
-                self._finish_request(request.request_id)
-
-    async def stop_samples(self, samples: list[tuple[str, int]]) -> None:
-        with self._lock:
-            self._stopped |= {sample for sample in samples if sample[0] in self._live}
-
-    async def get_outputs(self) -> list[EngineCoreOutput]:
-        return await self._mailbox.get()
+    def has_unfinished_requests(self) -> bool:
+        return self._running is not None or bool(self._queue)
 
     def get_stats(self) -> SchedulerStats:
-        with self._lock:
-            num_waiting = len(self._queue)
-        return SchedulerStats(num_running=self._running, num_waiting=num_waiting, **self._counters)
+        return SchedulerStats(num_running=1 if self._running is not None else 0, num_waiting=len(self._queue),
+                              **self._counters)
 
-    # ----------------------------------------------------------------- validation
-    def validate_request(self, request: EngineCoreRequest) -> None:
-        """Raise ValueError for input the model cannot run (same rules as the paged engine)."""
-        check_request(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                      max_logprobs=self.config.max_logprobs)
-
-    # ----------------------------------------------------------------- worker thread
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._lock:
-                    if self._stopping:
-                        return
-                    request = self._queue.popleft() if self._queue else None
-                    self._running = 1 if request is not None else 0
-                if request is None:
-                    self._wakeup.wait()
-                    self._wakeup.clear()
-                    continue
-                try:
-                    self._run_request(request)
-                finally:
-                    with self._lock:
-                        self._finish_request(request.request_id)
-                        self._running = 0
-        except BaseException as exc:  # noqa: BLE001 - any failure kills the core
-            logger.exception("hf engine core failed; no more requests can be served")
-            with self._lock:
-                self._error = exc
-            self._mailbox.fail(exc)
-
-    def _finish_request(self, request_id: str) -> None:
-        """Forget a request's bookkeeping (called with ``_lock`` held)."""
-        self._live.discard(request_id)
-        self._aborted.discard(request_id)
-        self._stopped = {sample for sample in self._stopped if sample[0] != request_id}
-
-    def _run_request(self, request: EngineCoreRequest) -> None:
-        params = request.sampling_params
-        first_scheduled_time = time.monotonic()
-        self._counters["num_prompt_tokens"] += len(request.prompt_token_ids)
-        for index in range(params.n):
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed((params.seed + index) % (2**63))
-            for output in self._generate(request, index, generator, first_scheduled_time):
-                self._push(output)
-            with self._lock:
-                if request.request_id in self._aborted:
-                    return
-
-    def _cancelled(self, request_id: str, index: int) -> bool:
-        with self._lock:
-            return request_id in self._aborted or (request_id, index) in self._stopped or self._stopping
-
+    # ----------------------------------------------------------------- the loop
     @torch.inference_mode()
-    def _generate(self, request: EngineCoreRequest, index: int, generator: torch.Generator | None,
-                  first_scheduled_time: float | None = None):
-        """Decode one sample token by token; yields an EngineCoreOutput per token (none once cancelled)."""
+    def step(self) -> list[EngineCoreOutput]:
+        """One token of the current request's current sample (starting the next sample or request first)."""
+        while self._sample is None:
+            if not self._start_next_sample():
+                return []
+        return [self._next_token()]
+
+    def warmup(self) -> None:
+        """One short generation (first-call costs), then forget its counts."""
+        params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
+        self.add_request(EngineCoreRequest("__warmup__", [1, 2, 3, 4], params, time.monotonic()))
+        while "__warmup__" in self._live:
+            self.step()
+        self._counters = dict.fromkeys(self._counters, 0)
+
+    # ----------------------------------------------------------------- internals
+    def _start_next_sample(self) -> bool:
+        """Make ``_sample`` the next sample to decode (prefill included); False when there is no work."""
+        running = self._running
+        if running is None:
+            if not self._queue:
+                return False
+            request = self._queue.popleft()
+            running = self._running = _Running(request, time.monotonic())
+            self._counters["num_prompt_tokens"] += len(request.prompt_token_ids)
+        request = running.request
+        params = request.sampling_params
+        index = running.next_index
+        while index < params.n and (request.request_id, index) in self._stopped:
+            index += 1
+        if index >= params.n:
+            self._finish_running()
+            return True
+        running.next_index = index + 1
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed((params.seed + index) % (2**63))
+        prompt = request.prompt_token_ids
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
+        sample = _Sample(index, generator, tuple(request.eos_token_ids) or self.eos_token_ids, max_tokens, [])
         from transformers import DynamicCache
 
-        params = request.sampling_params
-        prompt = list(request.prompt_token_ids)
-        eos_ids = tuple(request.eos_token_ids) or self.eos_token_ids
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
-        input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, prompt_len]
-        cache = DynamicCache()
-        result = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
-        prompt_logprobs = None
+        input_ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)  # [1, prompt_len]
+        result = self.model(input_ids=input_ids, past_key_values=DynamicCache(), use_cache=True)
         if index == 0 and params.prompt_logprobs is not None:
-            prompt_logprobs = _prompt_logprobs(result.logits[0, :, : self.vocab_size], prompt, params.prompt_logprobs)
-        logits = result.logits[:, -1, :]  # [1, vocab]
-        output_ids: list[int] = []
-        while True:
-            if self._cancelled(request.request_id, index):
-                return
-            row = SamplingRow(params, generator, prompt, output_ids, eos_ids)
-            tokens, logprobs = self.sampler(logits, [row])
-            token_id = tokens[0]
-            output_ids.append(token_id)
-            self._counters["num_generation_tokens"] += 1
-            self._counters["num_steps"] += 1
-            finish_reason, stop_reason = _check_stop(params, token_id, output_ids, eos_ids, max_tokens,
-                                                     len(prompt), self.max_model_len)
-            first = len(output_ids) == 1
-            yield EngineCoreOutput(
-                request_id=request.request_id,
-                index=index,
-                new_token_ids=[token_id],
-                new_logprobs=[logprobs[0]] if logprobs[0] is not None else None,
-                prompt_logprobs=prompt_logprobs if first else None,
-                finish_reason=finish_reason,
-                stop_reason=stop_reason,
-                first_scheduled_time=first_scheduled_time if first else None,
-            )
-            if finish_reason is not None:
-                return
-            step_ids = torch.tensor([[token_id]], dtype=torch.long, device=self.device)  # [1, 1]
-            result = self.model(input_ids=step_ids, past_key_values=result.past_key_values, use_cache=True)
-            logits = result.logits[:, -1, :]
+            sample.prompt_logprobs = _prompt_logprobs(result.logits[0, :, : self.vocab_size], list(prompt),
+                                                      params.prompt_logprobs)
+        sample.past_key_values = result.past_key_values
+        sample.logits = result.logits[:, -1, :]  # [1, vocab]
+        self._sample = sample
+        return True
 
-    def _push(self, output: EngineCoreOutput) -> None:
-        self._mailbox.put([output])
+    def _next_token(self) -> EngineCoreOutput:
+        sample, running = self._sample, self._running
+        request = running.request
+        params = request.sampling_params
+        output_ids = sample.output_ids
+        if sample.logits is None:  # decode the previous token
+            step_ids = torch.tensor([[output_ids[-1]]], dtype=torch.long, device=self.device)  # [1, 1]
+            result = self.model(input_ids=step_ids, past_key_values=sample.past_key_values, use_cache=True)
+            sample.past_key_values = result.past_key_values
+            sample.logits = result.logits[:, -1, :]
+        row = SamplingRow(params, sample.generator, request.prompt_token_ids, output_ids, sample.eos_token_ids)
+        tokens, logprobs = self.sampler(sample.logits, [row])
+        sample.logits = None
+        token_id = tokens[0]
+        output_ids.append(token_id)
+        self._counters["num_generation_tokens"] += 1
+        self._counters["num_steps"] += 1
+        finish_reason, stop_reason = _check_stop(params, token_id, output_ids, sample.eos_token_ids,
+                                                 sample.max_tokens, len(request.prompt_token_ids), self.max_model_len)
+        first = len(output_ids) == 1
+        output = EngineCoreOutput(
+            request_id=request.request_id,
+            index=sample.index,
+            new_token_ids=[token_id],
+            new_logprobs=[logprobs[0]] if logprobs[0] is not None else None,
+            prompt_logprobs=sample.prompt_logprobs if first else None,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            first_scheduled_time=running.first_scheduled_time if first else None,
+        )
+        if finish_reason is not None:
+            self._end_sample()
+        return output
+
+    def _end_sample(self) -> None:
+        """The current sample is done: the request ends with its last sample."""
+        self._sample = None
+        running = self._running
+        params = running.request.sampling_params
+        request_id = running.request.request_id
+        index = running.next_index
+        while index < params.n and (request_id, index) in self._stopped:
+            index += 1
+        running.next_index = index
+        if index >= params.n:
+            self._finish_running()
+
+    def _finish_running(self) -> None:
+        running, self._running = self._running, None
+        if running is not None:
+            self._forget(running.request.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._live.discard(request_id)
+        if self._stopped:
+            self._stopped = {sample for sample in self._stopped if sample[0] != request_id}
 
 
 def _check_stop(params: SamplingParams, token_id: int, output_ids: list[int], eos_ids: tuple[int, ...],
@@ -337,4 +320,4 @@ def _prompt_logprobs(logits: torch.Tensor, prompt: list[int], num_top: int) -> l
     return result
 
 
-__all__ = ["HFEngineCoreClient", "load_hf_model"]
+__all__ = ["HFEngine", "load_hf_model"]

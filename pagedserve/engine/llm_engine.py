@@ -1,7 +1,8 @@
 """LLMEngine: the synchronous engine core. ``step()`` = schedule -> execute_model -> update_from_output.
 
-It validates requests (token ids only), owns the scheduler, the KV cache manager and the model
-runner, and is driven by the offline ``LLM`` or, in the server, by a background thread.
+It takes requests the front end has checked (token ids only; it asserts its own invariants), owns the
+scheduler, the KV cache manager and the model runner, and is driven by the offline ``LLM`` or, in the
+server, by the engine-core loop (``core_loop.py``) in a thread or a child process.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.request import Request
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.engine.validation import check_request
-from pagedserve.engine.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
+from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
 from pagedserve.models.loader import LoadedModel, load_model
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -78,7 +78,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             vocab_size=loaded.vocab_size,
             eos_token_ids=loaded.eos_token_ids,
-            tokenizer=loaded.tokenizer,
+            dtype=str(loaded.dtype).removeprefix("torch."),
             generation_config=dict(loaded.generation_config),
             num_kv_blocks=num_blocks - 1,
             block_size=block_size,
@@ -95,20 +95,12 @@ class LLMEngine:
         return cls(config)
 
     # ----------------------------------------------------------------- requests
-    def validate_request(self, request: EngineCoreRequest) -> None:
-        """Raise ValueError for input the engine cannot run."""
-        check_request(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                      max_logprobs=self.config.max_logprobs)
-        if request.request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.validate_request(request)
-        params = request.sampling_params
-        generator = fork_generators = None
-        if params.seed is not None:
-            generator = self._generator(params.seed)
-            fork_generators = [self._generator(params.seed + i) for i in range(1, params.n)]
+        """Queue a request the front end checked (pagedserve.entrypoints.input_checks); the invariants
+        the engine relies on are asserted, not reported."""
+        assert 0 < len(request.prompt_token_ids) < self.max_model_len, "prompt empty or longer than the context"
+        assert request.request_id not in self.scheduler.requests, f"request id {request.request_id!r} in flight"
+        params = request.sampling_params  # a seed's generators are the runner's (sample i: seed + i)
         self.scheduler.add_request(
             Request(
                 request_id=request.request_id,
@@ -119,8 +111,6 @@ class LLMEngine:
                 eos_token_ids=tuple(request.eos_token_ids) or self.eos_token_ids,
                 priority=request.priority,
                 num_samples_to_fork=params.n,
-                generator=generator,
-                fork_generators=fork_generators or [],
             )
         )
 
@@ -180,9 +170,6 @@ class LLMEngine:
         self.scheduler.reset_counters()
         self._busy_seconds, self._busy_since = 0.0, None
         self.runner.forward_seconds = self.runner.forward_cpu_seconds = 0.0
-
-    def _generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(seed % (2**63))
 
     @property
     def num_free_blocks(self) -> int:

@@ -1,9 +1,9 @@
-"""MPEngineCoreClient: LLMEngine's step loop in its own process, so HTTP handling, detokenization
-and SSE in the server process never compete with the model for the GIL.
+"""MPEngineCoreClient: the engine-core loop (``core_loop.py``) in its own process, so HTTP handling,
+detokenization and SSE in the server process never compete with the model for the GIL.
 
-The core process is forked before the server starts any thread. Requests, aborts and outputs
-cross one duplex pipe (the two ends belong to this server alone); a writer thread sends, a reader
-thread receives and hands each step's outputs to the event loop as one batch.
+The core process is forked before the server starts any thread. The loop's typed messages cross one
+duplex pipe (the two ends belong to this server alone); a writer thread sends, a reader thread
+receives and hands each step's outputs to the event loop as one batch.
 """
 
 from __future__ import annotations
@@ -15,121 +15,111 @@ import os
 import queue
 import signal
 import threading
-import time
-import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
-from pagedserve.engine.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
-from pagedserve.engine.output_mailbox import OutputMailbox
+from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError, build_engine
+from pagedserve.engine.core_loop import ClientGone, CoreOutputReceiver, EngineCore, failure_message, run_busy_loop
 from pagedserve.gc_heap import freeze_heap
+from pagedserve.messages import (
+    AbortRequests,
+    AddRequest,
+    ClientMessage,
+    CoreFailed,
+    CoreMessage,
+    CoreReady,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    ModelInfo,
+    SchedulerStats,
+    Shutdown,
+    StopSamples,
+    Warmup,
+)
 
 logger = logging.getLogger(__name__)
 
-# messages to the core
-_ADD, _ABORT, _STOP, _WARMUP, _SHUTDOWN = "add", "abort", "stop", "warmup", "shutdown"
-# messages from the core
-_READY, _ADDED, _OUTPUTS, _STATS, _WARMED, _FAILED = "ready", "added", "outputs", "stats", "warmed", "failed"
-STATS_INTERVAL_S = 0.25
+
+class PipeChannel:
+    """The loop's channel in the core process: the child's end of the pipe (closed pipe -> ClientGone)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def poll(self) -> list[ClientMessage]:
+        conn = self._conn
+        try:
+            messages = []
+            while conn.poll(0):
+                messages.append(conn.recv())
+            return messages
+        except (EOFError, OSError) as exc:
+            raise ClientGone from exc
+
+    def wait(self) -> list[ClientMessage]:
+        try:
+            first = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise ClientGone from exc
+        return [first, *self.poll()]
+
+    def send(self, message: CoreMessage) -> None:
+        try:
+            self._conn.send(message)
+        except (EOFError, OSError) as exc:
+            raise ClientGone from exc
 
 
-def run_engine_core(config: EngineConfig, conn: Connection, close_fds: tuple[int, ...] = ()) -> None:
-    """Body of the core process: build the engine, then step while there is work."""
-    from pagedserve.engine.llm_engine import LLMEngine
+EngineSpec = str | Callable[[EngineConfig], EngineCore]  # "paged" | "hf", or a builder (tests: a fake engine)
 
+
+def run_engine_core(config: EngineConfig, conn: Connection, close_fds: tuple[int, ...] = (),
+                    engine: EngineSpec = "paged") -> None:
+    """Body of the core process: build the engine, report ready (or why not), then run the loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which shuts the core down
     for fd in close_fds:  # e.g. the server's listening socket, inherited through fork
         try:
             os.close(fd)
         except OSError:
             pass
-
+    channel = PipeChannel(conn)
     try:
-        engine = LLMEngine(config)
+        core = engine(config) if callable(engine) else build_engine(config, engine)
         freeze_heap("engine core")
-        conn.send((_READY, engine.model_info, str(engine.dtype).removeprefix("torch.")))
-    except BaseException:  # noqa: BLE001 - report any start-up failure to the parent
-        conn.send((_FAILED, traceback.format_exc()))
-        return
-    last_stats = 0.0
+        ready: CoreMessage = CoreReady(core.model_info)
+    except BaseException as exc:  # noqa: BLE001 - report any start-up failure to the parent
+        core, ready = None, failure_message(exc)
     try:
-        while True:
-            busy = engine.has_unfinished_requests()
-            if not busy:
-                conn.send((_STATS, engine.get_stats()))
-            if not busy or conn.poll(0):
-                if _handle_inputs(engine, conn, block=not busy):
-                    return
-            if engine.has_unfinished_requests():
-                outputs = engine.step()
-                now = time.monotonic()
-                stats = None
-                if now - last_stats >= STATS_INTERVAL_S:
-                    stats, last_stats = engine.get_stats(), now
-                if outputs or stats is not None:
-                    conn.send((_OUTPUTS, outputs, stats))
-    except (EOFError, BrokenPipeError, OSError):
-        return  # the server went away
-    except BaseException:  # noqa: BLE001 - any failure kills the core; the server reports it
-        message = traceback.format_exc()
-        logger.error("engine core failed; no more requests can be served\n%s", message)
-        try:
-            conn.send((_FAILED, message))
-        except OSError:
-            pass
-
-
-def _handle_inputs(engine, conn: Connection, block: bool) -> bool:
-    """Apply every queued message (waiting for one if ``block``); True on shutdown."""
-    while block or conn.poll(0):
-        block = False
-        kind, payload = conn.recv()
-        if kind == _ADD:
-            try:
-                engine.add_request(payload)
-            except ValueError as exc:
-                conn.send((_ADDED, payload.request_id, str(exc)))
-            else:
-                conn.send((_ADDED, payload.request_id, None))
-        elif kind == _ABORT:
-            engine.abort_requests(payload)
-        elif kind == _STOP:
-            engine.stop_samples(payload)
-        elif kind == _WARMUP:
-            engine.warmup()
-            freeze_heap("engine core, warmed up")
-            conn.send((_WARMED, None))
-        elif kind == _SHUTDOWN:
-            return True
-    return False
+        channel.send(ready)
+    except ClientGone:
+        return
+    if core is not None:
+        run_busy_loop(core, channel, on_warmed=lambda: freeze_heap("engine core, warmed up"))
 
 
 class MPEngineCoreClient(EngineCoreClient):
-    """EngineCoreClient over an LLMEngine in a child process (the server's default)."""
+    """EngineCoreClient over an engine (paged by default) in a child process (the server's default)."""
 
-    def __init__(self, config: EngineConfig, close_fds: tuple[int, ...] = ()) -> None:
+    def __init__(self, config: EngineConfig, engine: EngineSpec = "paged", close_fds: tuple[int, ...] = ()) -> None:
         ctx = mp.get_context("fork")
         self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(
-            target=run_engine_core, args=(config, child_conn, tuple(close_fds)), name="pagedserve-engine-core", daemon=True
-        )
+        self._proc = ctx.Process(target=run_engine_core, args=(config, child_conn, tuple(close_fds), engine),
+                                 name="pagedserve-engine-core", daemon=True)
         self._proc.start()
         child_conn.close()
         try:
             message = self._conn.recv()
         except EOFError:
-            raise RuntimeError("the engine core process exited during start-up") from None
-        if message[0] == _FAILED:
             self._proc.join(5)
-            raise RuntimeError(f"the engine core failed to start:\n{message[1]}")
-        _, self._model_info, self.dtype = message
-        self._stats = SchedulerStats()
-        self._mailbox = OutputMailbox()
-        self._pending_adds: dict[str, asyncio.Future] = {}
-        self._warmed: asyncio.Future | None = None
+            raise RuntimeError("the engine core process exited during start-up") from None
+        if isinstance(message, CoreFailed):
+            self._proc.join(5)
+            raise RuntimeError(f"the engine core failed to start:\n{message.details}")
+        assert isinstance(message, CoreReady), message
+        self._model_info = message.model_info
+        self._receiver = CoreOutputReceiver()
         self._send_queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
         self._closing = False
 
@@ -140,22 +130,21 @@ class MPEngineCoreClient(EngineCoreClient):
 
     @property
     def is_dead(self) -> bool:
-        return self._mailbox.error is not None
+        return self._receiver.is_dead
 
     async def warmup(self) -> None:
-        """A real forward pass in the core before serving; call before ``start``."""
-        await self._ensure_threads()
-        self._warmed = self._loop.create_future()
-        self._send((_WARMUP, None))
-        await self._warmed
+        self._ensure_threads()
+        done = self._receiver.expect_warmup()
+        self._send(Warmup())
+        await done
 
     async def start(self) -> None:
-        await self._ensure_threads()
+        self._ensure_threads()
 
     async def shutdown(self) -> None:
         self._closing = True
         if self._proc.is_alive():
-            self._send((_SHUTDOWN, None))
+            self._send(Shutdown())
             await asyncio.to_thread(self._proc.join, 10)
         if self._proc.is_alive():
             self._proc.kill()
@@ -163,46 +152,39 @@ class MPEngineCoreClient(EngineCoreClient):
 
     async def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()
-        future = self._loop.create_future()
-        self._pending_adds[request.request_id] = future
-        self._send((_ADD, request))
-        try:
-            await future
-        finally:
-            self._pending_adds.pop(request.request_id, None)
+        self._send(AddRequest(request))
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and not self.is_dead:
-            self._send((_ABORT, list(request_ids)))
+            self._send(AbortRequests(tuple(request_ids)))
 
     async def stop_samples(self, samples: list[tuple[str, int]]) -> None:
         if samples and not self.is_dead:
-            self._send((_STOP, list(samples)))
+            self._send(StopSamples(tuple(samples)))
 
     async def get_outputs(self) -> list[EngineCoreOutput]:
-        return await self._mailbox.get()
+        return await self._receiver.mailbox.get()
 
     def get_stats(self) -> SchedulerStats:
-        return self._stats
+        return self._receiver.stats
 
     # ----------------------------------------------------------------- plumbing
-    async def _ensure_threads(self) -> None:
+    def _ensure_threads(self) -> None:
         if self._threads:
             return
-        self._loop = asyncio.get_running_loop()
-        self._mailbox.bind(self._loop)
+        self._receiver.bind(asyncio.get_running_loop())
         for target, name in ((self._write_loop, "engine-core-writer"), (self._read_loop, "engine-core-reader")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
 
     def _check_alive(self) -> None:
-        if self._mailbox.error is not None:
-            raise EngineDeadError(f"the engine core died: {self._mailbox.error}")
+        if self._receiver.is_dead:
+            raise self._receiver.dead_error()
         if self._closing:
             raise EngineDeadError("the engine core is shutting down")
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: ClientMessage) -> None:
         self._send_queue.put(message)
 
     def _write_loop(self) -> None:
@@ -213,59 +195,17 @@ class MPEngineCoreClient(EngineCoreClient):
                 return
 
     def _read_loop(self) -> None:
-        loop = self._loop
+        receiver = self._receiver
         try:
             while True:
-                kind, *rest = self._conn.recv()
-                if kind == _OUTPUTS:
-                    outputs, stats = rest
-                    if stats is not None:
-                        self._stats = stats
-                    if outputs:
-                        self._mailbox.put(outputs)
-                elif kind == _STATS:
-                    self._stats = rest[0]
-                elif kind == _ADDED:
-                    loop.call_soon_threadsafe(self._resolve_add, rest[0], rest[1])
-                elif kind == _WARMED:
-                    loop.call_soon_threadsafe(_set_result, self._warmed)
-                elif kind == _FAILED:
-                    self._die(RuntimeError(rest[0].strip().splitlines()[-1] if rest[0].strip() else "engine failure"), rest[0])
+                message = self._conn.recv()
+                receiver.handle(message)
+                if isinstance(message, CoreFailed):
+                    logger.error("engine core failed:\n%s", message.details)
                     return
         except (EOFError, OSError) as exc:
             if not self._closing:
-                self._die(RuntimeError(f"the engine core process exited ({exc!r})"), "")
-
-    def _resolve_add(self, request_id: str, error: str | None) -> None:
-        future = self._pending_adds.get(request_id)
-        if future is None or future.done():
-            return
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(ValueError(error))
-
-    def _die(self, error: BaseException, details: str) -> None:
-        if details:
-            logger.error("engine core failed:\n%s", details)
-        self._mailbox.fail(error)
-        loop = self._loop
-
-        def fail_waiters() -> None:
-            dead = EngineDeadError(f"the engine core died: {error}")
-            for future in list(self._pending_adds.values()) + ([self._warmed] if self._warmed else []):
-                if not future.done():
-                    future.set_exception(dead)
-
-        try:
-            loop.call_soon_threadsafe(fail_waiters)
-        except RuntimeError:
-            pass  # the loop closed meanwhile
+                receiver.fail(CoreFailed(f"the engine core process exited ({exc!r})"))
 
 
-def _set_result(future: asyncio.Future | None) -> None:
-    if future is not None and not future.done():
-        future.set_result(None)
-
-
-__all__ = ["MPEngineCoreClient", "run_engine_core"]
+__all__ = ["MPEngineCoreClient", "PipeChannel", "run_engine_core"]

@@ -9,7 +9,7 @@ import asyncio
 import threading
 
 from pagedserve.engine.core_client import EngineDeadError
-from pagedserve.engine.messages import EngineCoreOutput
+from pagedserve.messages import EngineCoreOutput
 
 
 class OutputMailbox:

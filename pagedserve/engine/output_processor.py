@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.engine.messages import EngineCoreOutput
+from pagedserve.messages import EngineCoreOutput
 from pagedserve.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, TokenLogprob
 from pagedserve.sampling_params import SamplingParams
 

@@ -1,12 +1,15 @@
-"""`pagedserve serve` flags (vLLM's names in kebab-case) and their conversion into one EngineConfig."""
+"""`pagedserve serve` flags (vLLM's names in kebab-case) and their conversion into one ServerConfig
+(with its EngineConfig)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 
 from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
+from pagedserve.entrypoints.server_config import HTTPOptions, ServerConfig
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
@@ -51,7 +54,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="paged: pagedserve's engine; hf: one request at a time through transformers (baseline)")
     engine.add_argument("--engine-core", default="process", choices=["process", "thread"],
                         help="process: the paged engine steps in its own process (no GIL contention with HTTP "
-                             "handling); thread: in a thread of the server process")
+                             "handling); thread: in a thread of the server process (always so for --engine hf)")
     engine.add_argument("--block-size", type=int, default=None,
                         help="KV cache block size in tokens (default: 128 on CPUs, as vLLM's CPU backend; 16 on GPUs)")
     engine.add_argument("--kv-cache-memory", type=_size_arg, default=parse_size("1GiB"),
@@ -92,6 +95,40 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The single ServerConfig of this process (raises ValueError on inconsistent flags)."""
+    return ServerConfig(
+        engine_config=engine_config_from_args(args),
+        host=args.host,
+        port=args.port,
+        engine=args.engine,
+        engine_core="thread" if args.engine == "hf" else args.engine_core,  # the baseline runs in-process
+        served_model_names=tuple(args.served_model_name or ()),
+        http=http_options_from_args(args),
+    )
+
+
+def http_options_from_args(args: argparse.Namespace) -> HTTPOptions:
+    return HTTPOptions(
+        api_keys=tuple(api_keys_from_args(args)),
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        rate_limit=parse_rate_limit(args.rate_limit) if args.rate_limit else None,
+        max_request_bytes=args.max_request_bytes,
+        max_header_bytes=args.max_header_bytes,
+        max_queued_requests=None if args.max_queued_requests < 0 else args.max_queued_requests,
+        request_timeout=args.request_timeout or None,
+        shutdown_timeout=args.shutdown_timeout,
+        log_stats_interval=args.log_stats_interval,
+        http_protocol=args.http,
+        event_loop=args.event_loop,
+        access_log=not args.disable_access_log,
+        log_level=args.log_level,
+    )
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The single EngineConfig of this process (raises ValueError on inconsistent flags)."""
     served = args.served_model_name[0] if args.served_model_name else None
@@ -125,3 +162,16 @@ def api_keys_from_args(args: argparse.Namespace) -> list[str]:
     env = os.environ.get(API_KEY_ENV, "")
     keys += [k.strip() for k in env.split(",") if k.strip()]
     return list(dict.fromkeys(keys))
+
+
+_PERIODS = {"second": 1.0, "s": 1.0, "minute": 60.0, "m": 60.0, "min": 60.0, "hour": 3600.0, "h": 3600.0,
+            "day": 86400.0, "d": 86400.0}
+
+
+def parse_rate_limit(text: str) -> tuple[int, float]:
+    """``60/minute`` -> (60, 60.0). Also ``10/second``, ``1000/hour``, ``5/s``."""
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d*)\s*([a-zA-Z]+)\s*", text)
+    if not match or match.group(3).lower() not in _PERIODS or int(match.group(1)) <= 0:
+        raise ValueError(f"cannot parse rate limit {text!r}; use e.g. 60/minute, 10/second or 1000/hour")
+    multiple = int(match.group(2)) if match.group(2) else 1
+    return int(match.group(1)), _PERIODS[match.group(3).lower()] * multiple

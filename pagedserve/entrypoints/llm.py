@@ -11,10 +11,12 @@ from tqdm import tqdm
 
 from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.messages import EngineCoreRequest
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.entrypoints.input_checks import ModelLimits
+from pagedserve.messages import EngineCoreRequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.tokenizer import eos_token_ids, load_tokenizer, tokenizer_path
 
 PromptInput = str | list[int] | dict[str, Any]
 
@@ -63,18 +65,22 @@ class LLM:
             num_threads=num_threads,
             max_logprobs=max_logprobs,
         )
-        self.engine = LLMEngine(config)
-        self.tokenizer = self.engine.model_info.tokenizer
-        self._counter = itertools.count()
+        self._attach(LLMEngine(config))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
         """Wrap an existing engine (e.g. several cache configurations over one loaded model)."""
         llm = cls.__new__(cls)
-        llm.engine = engine
-        llm.tokenizer = engine.model_info.tokenizer
-        llm._counter = itertools.count()
+        llm._attach(engine)
         return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = load_tokenizer(tokenizer_path(engine.config.model))
+        info = engine.model_info
+        self._limits = ModelLimits(info.max_model_len, info.vocab_size, engine.config.max_logprobs)
+        self._eos_token_ids = () if info.eos_token_ids else eos_token_ids(self.tokenizer)  # empty: the model's
+        self._counter = itertools.count()
 
     def generate(
         self,
@@ -94,7 +100,7 @@ class LLM:
             self._make_request(item, params, prio) for item, params, prio in zip(items, params_list, priorities)
         ]
         for request, _ in requests:
-            self.engine.validate_request(request)
+            self._limits.check_request(request.prompt_token_ids, request.sampling_params)
         return self._run(requests, use_tqdm)
 
     def chat(
@@ -139,7 +145,8 @@ class LLM:
         else:
             raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(item).__name__}")
         request_id = str(next(self._counter))
-        return EngineCoreRequest(request_id, list(token_ids), params, time.monotonic(), priority), text
+        request = EngineCoreRequest(request_id, list(token_ids), params, time.monotonic(), priority, self._eos_token_ids)
+        return request, text
 
     def _run(self, requests: list[tuple[EngineCoreRequest, str | None]], use_tqdm: bool) -> list[RequestOutput]:
         processor = OutputProcessor(self.tokenizer)

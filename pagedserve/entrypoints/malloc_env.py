@@ -3,9 +3,10 @@
 Model weights (oneDNN's packed copies included) live in ordinary heap allocations, which glibc
 backs with 4 KiB pages unless it is told otherwise before the process starts
 (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``: madvise its mmap'd chunks for THP). Every decode step
-streams all the weights, and on 2 MiB pages the matmuls ran 6-12 % faster on the development
-machine. ``pagedserve serve`` therefore re-executes itself once with the tunable added, unless
-``PAGEDSERVE_HUGE_PAGE_MALLOC=0``, the C library is not glibc, or THP is off (``never``).
+streams all the weights, and on 2 MiB pages that pass costs far fewer TLB misses, so the matmuls
+run faster (docs/design/cpu-performance.md). ``pagedserve serve`` therefore re-executes itself
+once with the tunable added, unless ``PAGEDSERVE_HUGE_PAGE_MALLOC=0``, the C library is not glibc,
+or THP is off (``never``).
 """
 
 from __future__ import annotations

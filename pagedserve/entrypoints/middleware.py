@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 import secrets
 import time
 import uuid
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedserve.entrypoints.openai.errors import APIError, error_response
+from pagedserve.entrypoints.serving.errors import APIError, error_response
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/info", "/docs", "/redoc", "/openapi.json",
                         "/docs/oauth2-redirect", "/load"})
@@ -45,7 +44,6 @@ class ServerState:
     ready: bool = False
     draining: bool = False
     in_flight: int = 0
-    on_reject: Callable[[str], None] | None = None
 
 
 class ServerStateMiddleware:
@@ -197,19 +195,6 @@ class APIKeyMiddleware:
             await _send_error(scope, send, error)
             return
         await self.app(scope, receive, send)
-
-
-_PERIODS = {"second": 1.0, "s": 1.0, "minute": 60.0, "m": 60.0, "min": 60.0, "hour": 3600.0, "h": 3600.0,
-            "day": 86400.0, "d": 86400.0}
-
-
-def parse_rate_limit(text: str) -> tuple[int, float]:
-    """``60/minute`` -> (60, 60.0). Also ``10/second``, ``1000/hour``, ``5/s``."""
-    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d*)\s*([a-zA-Z]+)\s*", text)
-    if not match or match.group(3).lower() not in _PERIODS or int(match.group(1)) <= 0:
-        raise ValueError(f"cannot parse rate limit {text!r}; use e.g. 60/minute, 10/second or 1000/hour")
-    multiple = int(match.group(2)) if match.group(2) else 1
-    return int(match.group(1)), _PERIODS[match.group(3).lower()] * multiple
 
 
 class RateLimitMiddleware:

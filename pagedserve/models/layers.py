@@ -14,9 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 # Up to this many rows (tokens in a step) the AMX kernel beats oneDNN's packed matmul on the
-# default model's shapes (30 layers of distinct weights, bf16: 1 row 15.2 -> 11.0 ms, 16 rows
-# 16.1 -> 10.9 ms, 64 rows 21.3 -> 16.5 ms, 128 rows 30.0 -> 23.9 ms; at 256 rows about even,
-# at 2,048 rows oneDNN is 20 % faster).
+# default model's shapes; from about 256 rows (prefill) oneDNN is as fast or faster
+# (measurements in docs/design/cpu-performance.md).
 AMX_LINEAR_MAX_ROWS = 192
 
 
@@ -86,8 +85,8 @@ class Linear(nn.Module):
         """Reorder the weight once into a matmul kernel's layout (CPU, bf16 or float32), so that no matmul repacks it.
 
         By default the copy is oneDNN's blocked layout: ``F.linear`` on bf16 CPU tensors reorders
-        the weight on every call; the packed copy gives bit-identical results at ~40% less time per
-        matmul. For float32 ``F.linear`` is MKL's matmul; oneDNN's on the packed copy agrees up to
+        the weight on every call; the packed copy gives bit-identical results without that cost.
+        For float32 ``F.linear`` is MKL's matmul; oneDNN's on the packed copy agrees up to
         summation order. With ``amx_kernels`` (the C++ kernels, on a CPU with AMX) a second copy
         is laid out as AMX tile operands for steps of at most ``AMX_LINEAR_MAX_ROWS`` rows. With
         ``vnni_kernels`` (the C++ kernels built with AVX512-BF16, on a CPU without AMX) the only

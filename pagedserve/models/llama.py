@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedserve.models.attention import AttentionMetadata, paged_attention
 from pagedserve.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
-from pagedserve.worker.attention import AttentionMetadata, paged_attention
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,7 @@
 """Builds a ready-to-run model from a ``ModelConfig``: resolves the path and dtype, reads config,
-weights (Hugging Face safetensors or GGUF), tokenizer and generation defaults into a ``LoadedModel``.
+weights (Hugging Face safetensors or GGUF), EOS ids and generation defaults into a ``LoadedModel``.
+
+No tokenizer: engines work in token ids; front ends load theirs with ``pagedserve.tokenizer``.
 """
 
 from __future__ import annotations
@@ -16,13 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerFast
+from transformers import AutoConfig, PretrainedConfig
 
 from pagedserve.config import ModelConfig
 from pagedserve.models import gguf_loader
 from pagedserve.models.default_model import default_model_path
 from pagedserve.models.registry import ModelLoadError, get_model_class
-from pagedserve.tokenizer import load_tokenizer, tokenizer_from_gguf_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +33,12 @@ _GGUF_QUANT_SUFFIX = re.compile(r"[.\-_](?:i?q\d\w*|b?f(?:16|32))$", re.IGNORECA
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A model in eval mode on its device, with everything the engine and front end need to serve it."""
+    """A model in eval mode on its device, with everything the engine needs to serve it (token ids only)."""
 
     model: nn.Module
     hf_config: PretrainedConfig
     dtype: torch.dtype
-    tokenizer: PreTrainedTokenizerFast
-    eos_token_ids: tuple[int, ...]
+    eos_token_ids: tuple[int, ...]  # the model's own (config / generation config / GGUF); may be empty
     max_model_len: int
     model_name: str
     num_layers: int
@@ -80,7 +80,7 @@ def _cpu_has_native_bf16() -> bool:
 def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedModel:
     """Load the model ``model_config`` names (the default GGUF model when None) onto ``device``.
 
-    Cheap checks (path, config, context length, tokenizer) run before the weights are read.
+    Cheap checks (path, config, context length) run before the weights are read.
     Raises ``ModelLoadError`` with a message meant for the user.
     """
     device = torch.device(device)
@@ -97,17 +97,11 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
         generation_config = _read_generation_config(path)
     model_class = get_model_class(getattr(hf_config, "architectures", None))
     max_model_len = _resolve_max_model_len(model_config.max_model_len, hf_config)
-    if model_config.tokenizer:
-        tokenizer = load_tokenizer(model_config.tokenizer)
-    elif is_gguf:
-        tokenizer = tokenizer_from_gguf_metadata(metadata)
-    else:
-        tokenizer = load_tokenizer(path)
     if is_gguf:
         eos_token_ids = gguf_loader.gguf_eos_token_ids(metadata)
         weights = gguf_loader.iter_gguf_weights(reader, hf_config, metadata["general.architecture"])
     else:
-        eos_token_ids = _collect_eos_token_ids(hf_config, generation_config, tokenizer)
+        eos_token_ids = _collect_eos_token_ids(hf_config, generation_config)
         weights = iter_safetensors_weights(path)
 
     logger.info("loading %s from %s as %s on %s", model_class.__name__, path, dtype, device)
@@ -122,7 +116,6 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
         model=model,
         hf_config=hf_config,
         dtype=dtype,
-        tokenizer=tokenizer,
         eos_token_ids=eos_token_ids,
         max_model_len=max_model_len,
         model_name=model_config.served_model_name or derive_model_name(path),
@@ -203,12 +196,11 @@ def _as_id_list(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-def _collect_eos_token_ids(
-    hf_config: PretrainedConfig, generation_config: dict[str, Any], tokenizer: PreTrainedTokenizerFast
-) -> tuple[int, ...]:
+def _collect_eos_token_ids(hf_config: PretrainedConfig, generation_config: dict[str, Any]) -> tuple[int, ...]:
+    """The model's EOS ids from config.json and generation_config.json; the front end adds its tokenizer's
+    (``pagedserve.tokenizer.eos_token_ids``) to requests when these are empty."""
     ids = _as_id_list(getattr(hf_config, "eos_token_id", None))
     ids += _as_id_list(generation_config.get("eos_token_id"))
-    ids += _as_id_list(tokenizer.eos_token_id)
     return tuple(dict.fromkeys(ids))
 
 

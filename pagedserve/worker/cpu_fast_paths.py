@@ -50,9 +50,9 @@ def pack_linear_weights(model: nn.Module, batch_size_hint: int, kernels: ModuleT
     A weight shared with another module (a tied embedding) keeps its plain copy next to the
     packed one (``vocab x hidden`` more bytes, ~57 MB for SmolLM2-135M); the others are released.
     Packing is for good: the model keeps the packed weights (and cannot load weights again).
-    The AMX or AVX512-BF16 copies end up together on huge pages (``move_to_huge_pages``): a decode step streams
-    every one of them, and on 4 KiB pages (no glibc huge-page malloc) the matmuls took 20-27 % longer (oneDNN's
-    copies are opaque tensors that stay where oneDNN put them).
+    The AMX or AVX512-BF16 copies end up together on huge pages (``move_to_huge_pages``): a decode
+    step streams every one of them, and on 4 KiB pages (no glibc huge-page malloc) the matmuls take
+    measurably longer (oneDNN's copies are opaque tensors that stay where oneDNN put them).
     """
     uses = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
     amx_kernels = kernels if kernels is not None and kernels.has_amx_linear() else None

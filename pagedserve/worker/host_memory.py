@@ -2,11 +2,10 @@
 packed linear weights on CPUs.
 
 Decode attention reads cache blocks scattered over gigabytes; with 4 KiB pages nearly every
-block costs TLB misses, with 2 MiB pages almost none (~20 % faster attention at 1,000-token
-contexts on the development machine). A decode step also streams every weight once: on 4 KiB
-pages the matmuls of a 64-token step took 20-27 % longer there. Where the kernel keeps THP in
-``madvise`` mode (a common default) memory gets huge pages only when asked, before it is first
-touched.
+block costs TLB misses, with 2 MiB pages almost none. A decode step also streams every weight
+once, and on 4 KiB pages its matmuls pay the same misses (measurements in
+docs/design/cpu-performance.md). Where the kernel keeps THP in ``madvise`` mode (a common
+default) memory gets huge pages only when asked, before it is first touched.
 """
 
 from __future__ import annotations

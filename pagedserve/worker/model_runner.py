@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from pagedserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedserve.kernels import load_cpu_kernels
+from pagedserve.models.attention import build_attention_metadata
 from pagedserve.outputs import TokenLogprob
-from pagedserve.worker.attention import build_attention_metadata
-from pagedserve.worker.cpu_kernels import load_cpu_kernels
-from pagedserve.worker.host_memory import zeros_on_huge_pages
 from pagedserve.worker.cpu_fast_paths import can_pack_linear_weights, pack_linear_weights, use_fused_ops
+from pagedserve.worker.host_memory import zeros_on_huge_pages
 from pagedserve.worker.sampler import Sampler, SamplingRow
 
 
@@ -64,6 +64,9 @@ class ModelRunner:
         kernels = load_cpu_kernels() if device.type == "cpu" and use_cpu_kernels else None
         self.kernels = kernels  # decode attention and cache writes in C++, or None for the PyTorch reference
         self.sampler = Sampler(vocab_size, generator, kernels.argmax_rows if kernels is not None else None)
+        # the own generator of each seeded sample, by Request.key: made when the sample first samples, kept
+        # while it is preempted (its recompute draws on where it left off), dropped once it is finished
+        self._generators: dict[tuple[str, int], torch.Generator] = {}
         if use_cpu_kernels and can_pack_linear_weights(device, dtype):
             pack_linear_weights(model, batch_size_hint, kernels)
             if kernels is not None and dtype == torch.bfloat16:
@@ -71,6 +74,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for key in sched.finished_req_ids:  # first: a finished request's id may be in use again here
+            self._generators.pop(key, None)
         if sched.block_copies:
             self._copy_blocks(sched.block_copies)
         items = sched.scheduled
@@ -131,14 +136,27 @@ class ModelRunner:
 
     def _sampling_row(self, item: ScheduledRequest, sample: int) -> SamplingRow:
         request = item.request
-        generator = request.generator if sample == 0 else (request.fork_generators[sample - 1] if request.fork_generators else None)
         return SamplingRow(
             params=request.sampling_params,
-            generator=generator,
+            generator=self._generator(item, sample),
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
         )
+
+    def _generator(self, item: ScheduledRequest, sample: int) -> torch.Generator | None:
+        """The generator of sample ``index = item.request.index + sample`` (``sample > 0`` only at the fork point
+        of sample 0), seeded with ``seed + index``; None without a seed (the sampler's shared generator)."""
+        request = item.request
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        index = request.index + sample
+        key = (request.request_id, index)
+        generator = self._generators.get(key)
+        if generator is None:
+            generator = self._generators[key] = torch.Generator(device=self.device).manual_seed((seed + index) % (2**63))
+        return generator
 
     def _prompt_logprobs(self, item: ScheduledRequest, hidden: torch.Tensor, start: int) -> list[TokenLogprob | None]:
         """Logprobs of prompt tokens computed in this chunk (the first prompt token has none)."""

@@ -5,9 +5,10 @@ Steps, in order, for a batch of rows ``[num_rows, vocab]``:
   2. logit_bias; ban EOS and stop token ids while ``min_tokens`` is not reached
   3. penalties: repetition (prompt and output tokens), presence and frequency (output tokens)
   4. greedy rows (temperature 0): argmax
-  5. random rows: temperature, top-k, top-p, min-p, then draw from the distribution
-     (``torch.multinomial``), from the row's own generator when seeded; top-k / nucleus sets that
-     fit in the best CANDIDATES tokens are handled there instead of sorting the whole vocabulary
+  5. random rows: temperature, top-k, top-p, min-p, then one draw by inverse CDF: a uniform number
+     per row (from the row's own generator when seeded) located by binary search in the cumulative
+     sum of its probabilities; top-k / nucleus sets that fit in the best CANDIDATES tokens are
+     handled there instead of sorting the whole vocabulary
   6. logprob, rank and top-N alternatives of each chosen token
 A batch of plain greedy rows takes a fast path: argmax only, in the logits' own dtype (with a
 C++ kernel on CPUs when built).
@@ -151,7 +152,8 @@ class Sampler:
     def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """One index per row of ``probs`` ``[rows, n]`` by inverse CDF; seeded rows use their own generator.
 
-        NOTE: torch.multinomial is ~25x slower on CPU for vocabulary-sized rows.
+        NOTE: not torch.multinomial, which is much slower on CPU for vocabulary-sized rows
+        (docs/design/cpu-performance.md).
         """
         num_rows = probs.shape[0]
         uniform = torch.empty(num_rows, 1, dtype=probs.dtype, device=probs.device)  # [rows, 1]

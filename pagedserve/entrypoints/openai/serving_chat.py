@@ -9,51 +9,67 @@ from collections.abc import AsyncGenerator
 
 from starlette.responses import Response
 
+from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.core_client import EngineDeadError
-from pagedserve.entrypoints.openai.errors import APIError, bad_request, json_response
+from pagedserve.entrypoints.openai.formatting import chat_logprobs, prompt_logprobs_json, usage
+from pagedserve.entrypoints.openai.prompts import OpenAIPrompts, PreparedPrompt
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedserve.entrypoints.openai.serving_engine import (
-    OpenAIServing,
-    PreparedPrompt,
-    clamp_logprob,
+from pagedserve.entrypoints.openai.request_checks import ServedModels, check_generation_request
+from pagedserve.entrypoints.openai.sampling import SamplingBuilder
+from pagedserve.entrypoints.serving.admission import (
+    AdmissionControl,
+    collect,
+    engine_failed,
     random_id,
     timeout_error,
-    usage,
 )
-from pagedserve.entrypoints.openai.sse import SSE_DONE, TEXT_MARK, SSEResponse, SSETemplates, sse
-from pagedserve.outputs import TokenLogprob
+from pagedserve.entrypoints.serving.errors import APIError, bad_request, json_response
+from pagedserve.entrypoints.serving.logprobs import TokenTexts
+from pagedserve.entrypoints.serving.sse import SSE_DONE, TEXT_MARK, SSEResponse, SSETemplates, sse
+from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
-
 
 logger = logging.getLogger(__name__)
 
 
-class OpenAIServingChat(OpenAIServing):
+class OpenAIServingChat:
+    """Checks a chat request, applies the chat template, runs it and answers with a message or an SSE stream."""
+
+    def __init__(self, *, engine: AsyncLLM, models: ServedModels, prompts: OpenAIPrompts, sampling: SamplingBuilder,
+                 admission: AdmissionControl, texts: TokenTexts, request_timeout: float | None) -> None:
+        self.engine = engine
+        self.models = models
+        self.prompts = prompts
+        self.sampling = sampling
+        self.admission = admission
+        self.texts = texts
+        self.request_timeout = request_timeout
+
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
-        model_name = self.check_generation_request(request)
-        self._reject_tools(request)
+        model_name = check_generation_request(request, self.models, self.engine)
+        _reject_tools(request)
         num_top = self._check_chat_logprobs(request)
-        self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
-        prompt = await self.prepare_chat_prompt(request)
+        self.sampling.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        prompt = await self.prompts.chat_prompt(request)
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        max_tokens = self.resolve_max_tokens(len(prompt.token_ids), requested, None)
-        params = self.make_sampling_params(request, max_tokens, num_top, request.prompt_logprobs)
+        max_tokens = self.sampling.resolve_max_tokens(len(prompt.token_ids), requested, None)
+        params = self.sampling.build(request, max_tokens, num_top, request.prompt_logprobs)
         request_id = random_id("chatcmpl")
         self.admission.acquire()
         if request.stream:
             stream = self._stream(request, request_id, model_name, prompt, params, num_top)
             return SSEResponse(stream, on_close=self.admission.release)
         try:
-            result = await self.collect(self.generate(prompt, params, request_id, request.priority))
+            result = await collect(self._generate(prompt, params, request_id, request.priority), self.request_timeout)
         finally:
             self.admission.release()
-        echo = self._echo_text(request)
+        echo = _echo_text(request)
         choices = []
         for completion in sorted(result.outputs, key=lambda c: c.index):
             choices.append({
                 "index": completion.index,
                 "message": {"role": "assistant", "content": echo + completion.text, "tool_calls": []},
-                "logprobs": self.chat_logprobs(completion.token_ids, completion.logprobs, num_top)
+                "logprobs": chat_logprobs(self.texts, completion.token_ids, completion.logprobs, num_top)
                 if num_top is not None else None,
                 "finish_reason": completion.finish_reason.value if completion.finish_reason else None,
                 "stop_reason": completion.stop_reason,
@@ -68,27 +84,8 @@ class OpenAIServingChat(OpenAIServing):
                            result.num_cached_tokens),
         }
         if request.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self.prompt_logprobs_json(prompt.token_ids, result.prompt_logprobs)
+            body["prompt_logprobs"] = prompt_logprobs_json(self.texts, prompt.token_ids, result.prompt_logprobs)
         return json_response(body)
-
-    # ----------------------------------------------------------------- preparation
-    async def prepare_chat_prompt(self, request: ChatCompletionRequest) -> PreparedPrompt:
-        text = self.apply_chat_template(
-            request.messages, request.add_generation_prompt, request.continue_final_message,
-            request.chat_template, request.chat_template_kwargs, request.documents,
-        )
-        token_ids = await self.tokenize(text, request.add_special_tokens)
-        token_ids = self.truncate_prompt(token_ids, request.truncate_prompt_tokens)
-        self.check_token_ids(token_ids, "messages")
-        return PreparedPrompt(token_ids, text)
-
-    @staticmethod
-    def _reject_tools(request: ChatCompletionRequest) -> None:
-        if request.functions or request.function_call not in (None, "none"):
-            raise bad_request("Function calling is not supported by this server.", "functions")
-        if request.tools and request.tool_choice not in ("none",):
-            raise bad_request("Tool calling is not supported by this server; omit `tools` or set "
-                              "`tool_choice` to \"none\".", "tools")
 
     def _check_chat_logprobs(self, request: ChatCompletionRequest) -> int | None:
         """The number of top logprobs to return per token, or None when logprobs are off."""
@@ -98,48 +95,26 @@ class OpenAIServingChat(OpenAIServing):
                 raise bad_request("`top_logprobs` must be a non-negative value.", "top_logprobs")
             if top > 0 and not request.logprobs:
                 raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-            self.check_logprobs(top, "top_logprobs")
+            self.sampling.check_logprobs(top, "top_logprobs")
         return (top or 0) if request.logprobs else None
 
-    @staticmethod
-    def _echo_text(request: ChatCompletionRequest) -> str:
-        if not request.echo or not request.messages:
-            return ""
-        last = request.messages[-1]
-        if last.role != "assistant" or last.content is None:
-            return ""
-        if isinstance(last.content, str):
-            return last.content
-        return "\n".join(part.text or "" for part in last.content)
-
-    def chat_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None, num_top: int) -> dict:
-        content = []
-        for token_id, entry in zip(token_ids, logprobs or []):
-            text = self.token_str(token_id)
-            content.append({
-                "token": text,
-                "logprob": clamp_logprob(entry.logprob),
-                "bytes": list(text.encode("utf-8", errors="replace")),
-                "top_logprobs": [
-                    {"token": (alt := self.token_str(t)), "logprob": clamp_logprob(lp),
-                     "bytes": list(alt.encode("utf-8", errors="replace"))}
-                    for t, lp in entry.top[:num_top]
-                ],
-            })
-        return {"content": content}
+    def _generate(self, prompt: PreparedPrompt, params: SamplingParams, request_id: str,
+                  priority: int) -> AsyncGenerator[RequestOutput, None]:
+        return self.engine.generate(prompt.token_ids, params, request_id, prompt=prompt.text, priority=priority)
 
     # ----------------------------------------------------------------- streaming
     async def _stream(self, request: ChatCompletionRequest, request_id: str, model_name: str,
                       prompt: PreparedPrompt, params: SamplingParams,
                       num_top: int | None) -> AsyncGenerator[str, None]:
         created = int(time.time())
+        texts = self.texts
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_name}
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = include_usage and bool(request.stream_options.continuous_usage_stats)
         num_prompt_tokens = len(prompt.token_ids)
         num_generated = 0
         num_cached = 0
-        echo = self._echo_text(request)
+        echo = _echo_text(request)
         plain_events = SSETemplates(lambda index: {**head, "choices": [  # per choice index: a content delta only
             {"index": index, "delta": {"content": TEXT_MARK}, "logprobs": None, "finish_reason": None}]})
         try:
@@ -149,8 +124,8 @@ class OpenAIServingChat(OpenAIServing):
                 if echo:
                     yield sse({**head, "choices": [{"index": index, "delta": {"content": echo},
                                                     "logprobs": None, "finish_reason": None}]})
-            async with asyncio.timeout(self.config.request_timeout):
-                async for output in self.generate(prompt, params, request_id, request.priority):
+            async with asyncio.timeout(self.request_timeout):
+                async for output in self._generate(prompt, params, request_id, request.priority):
                     num_cached = output.num_cached_tokens
                     for completion in output.outputs:
                         num_generated += len(completion.token_ids)
@@ -164,7 +139,7 @@ class OpenAIServingChat(OpenAIServing):
                         choice = {
                             "index": completion.index,
                             "delta": {"content": completion.text} if completion.text or finish is None else {},
-                            "logprobs": self.chat_logprobs(completion.token_ids, completion.logprobs, num_top)
+                            "logprobs": chat_logprobs(texts, completion.token_ids, completion.logprobs, num_top)
                             if num_top is not None else None,
                             "finish_reason": finish.value if finish else None,
                         }
@@ -177,12 +152,31 @@ class OpenAIServingChat(OpenAIServing):
             if include_usage:
                 yield sse({**head, "choices": [], "usage": usage(num_prompt_tokens, num_generated, num_cached)})
         except TimeoutError:
-            yield sse(timeout_error(self.config.request_timeout).openai_body())
+            yield sse(timeout_error(self.request_timeout).openai_body())
         except EngineDeadError as exc:
-            yield sse(APIError(f"The engine failed: {exc}", 500).openai_body())
+            yield sse(engine_failed(exc).openai_body())
         except ValueError as exc:
             yield sse(bad_request(str(exc)).openai_body())
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-stream, then end cleanly
             logger.exception("stream failed")
             yield sse(APIError(f"Internal server error: {exc!r}", 500).openai_body())
         yield SSE_DONE
+
+
+def _reject_tools(request: ChatCompletionRequest) -> None:
+    if request.functions or request.function_call not in (None, "none"):
+        raise bad_request("Function calling is not supported by this server.", "functions")
+    if request.tools and request.tool_choice not in ("none",):
+        raise bad_request("Tool calling is not supported by this server; omit `tools` or set "
+                          "`tool_choice` to \"none\".", "tools")
+
+
+def _echo_text(request: ChatCompletionRequest) -> str:
+    if not request.echo or not request.messages:
+        return ""
+    last = request.messages[-1]
+    if last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text or "" for part in last.content)

@@ -9,33 +9,43 @@ from collections.abc import AsyncGenerator
 
 from starlette.responses import Response
 
+from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.core_client import EngineDeadError
-from pagedserve.entrypoints.openai.errors import APIError, bad_request, json_response
+from pagedserve.entrypoints.openai.formatting import completion_logprobs, prompt_logprobs_json, usage
+from pagedserve.entrypoints.openai.prompts import OpenAIPrompts, PreparedPrompt
 from pagedserve.entrypoints.openai.protocol import CompletionRequest
-from pagedserve.entrypoints.openai.serving_engine import (
-    OpenAIServing,
-    PreparedPrompt,
-    clamp_logprob,
-    random_id,
-    timeout_error,
-    usage,
-)
-from pagedserve.entrypoints.openai.sse import SSE_DONE, TEXT_MARK, SSEResponse, SSETemplates, merge_async_iterators, sse
-from pagedserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from pagedserve.entrypoints.openai.request_checks import ServedModels, check_generation_request
+from pagedserve.entrypoints.openai.sampling import SamplingBuilder
+from pagedserve.entrypoints.serving.admission import AdmissionControl, collect, engine_failed, random_id, timeout_error
+from pagedserve.entrypoints.serving.errors import APIError, bad_request, json_response
+from pagedserve.entrypoints.serving.logprobs import TokenTexts
+from pagedserve.entrypoints.serving.sse import SSE_DONE, TEXT_MARK, SSEResponse, SSETemplates, merge_async_iterators, sse
+from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
-
 
 logger = logging.getLogger(__name__)
 
 
-class OpenAIServingCompletion(OpenAIServing):
+class OpenAIServingCompletion:
+    """Checks a completion request, runs its prompts and answers with one body or an SSE stream."""
+
+    def __init__(self, *, engine: AsyncLLM, models: ServedModels, prompts: OpenAIPrompts, sampling: SamplingBuilder,
+                 admission: AdmissionControl, texts: TokenTexts, request_timeout: float | None) -> None:
+        self.engine = engine
+        self.models = models
+        self.prompts = prompts
+        self.sampling = sampling
+        self.admission = admission
+        self.texts = texts
+        self.request_timeout = request_timeout
+
     async def create_completion(self, request: CompletionRequest) -> Response:
-        model_name = self.check_generation_request(request)
+        model_name = check_generation_request(request, self.models, self.engine)
         if request.suffix:
             raise bad_request("suffix is not currently supported.", "suffix")
-        self.check_logprobs(request.logprobs, "logprobs")
-        self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
-        prompts = await self._prepare_prompts(request)
+        self.sampling.check_logprobs(request.logprobs, "logprobs")
+        self.sampling.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        prompts = await self.prompts.completion_prompts(request)
         params = [self._params_for(request, prompt) for prompt in prompts]
         request_id = random_id("cmpl")
         self.admission.acquire(len(prompts))
@@ -45,7 +55,8 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [
-                    group.create_task(self.collect(self.generate(p, sp, f"{request_id}-{i}", request.priority)))
+                    group.create_task(collect(self._generate(p, sp, f"{request_id}-{i}", request.priority),
+                                              self.request_timeout))
                     for i, (p, sp) in enumerate(zip(prompts, params))
                 ]
         except* APIError as group_error:
@@ -55,41 +66,18 @@ class OpenAIServingCompletion(OpenAIServing):
         results = [task.result() for task in tasks]
         return json_response(self._response(request, request_id, model_name, prompts, results))
 
-    # ----------------------------------------------------------------- preparation
-    async def _prepare_prompts(self, request: CompletionRequest) -> list[PreparedPrompt]:
-        prompt = request.prompt
-        if prompt is None or prompt == "" or prompt == []:
-            raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
-        if isinstance(prompt, str):
-            items: list = [prompt]
-        elif isinstance(prompt[0], int):
-            items = [prompt]
-        else:
-            items = list(prompt)
-        prepared = []
-        for item in items:
-            if isinstance(item, str):
-                if not item:
-                    raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
-                token_ids = await self.tokenize(item, request.add_special_tokens)
-                text = item
-            else:
-                token_ids, text = list(item), None
-            self.check_token_ids(token_ids)
-            token_ids = self.truncate_prompt(token_ids, request.truncate_prompt_tokens)
-            if text is None or request.truncate_prompt_tokens is not None:
-                text = self.tokenizer.decode(token_ids)
-            prepared.append(PreparedPrompt(token_ids, text))
-        return prepared
-
     def _params_for(self, request: CompletionRequest, prompt: PreparedPrompt) -> SamplingParams:
         explicit = "max_tokens" in request.model_fields_set
         requested = request.max_tokens if explicit else None
-        max_tokens = self.resolve_max_tokens(len(prompt.token_ids), requested, None if explicit else 16)
+        max_tokens = self.sampling.resolve_max_tokens(len(prompt.token_ids), requested, None if explicit else 16)
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
-        return self.make_sampling_params(request, max_tokens, request.logprobs, prompt_logprobs)
+        return self.sampling.build(request, max_tokens, request.logprobs, prompt_logprobs)
+
+    def _generate(self, prompt: PreparedPrompt, params: SamplingParams, request_id: str,
+                  priority: int) -> AsyncGenerator[RequestOutput, None]:
+        return self.engine.generate(prompt.token_ids, params, request_id, prompt=prompt.text, priority=priority)
 
     # ----------------------------------------------------------------- non-streaming
     def _response(self, request: CompletionRequest, request_id: str, model_name: str,
@@ -124,42 +112,22 @@ class OpenAIServingCompletion(OpenAIServing):
         choice = {
             "index": index_base + completion.index,
             "text": text,
-            "logprobs": self.completion_logprobs(token_ids, logprobs, request.logprobs, 0)
+            "logprobs": completion_logprobs(self.texts, token_ids, logprobs, request.logprobs, 0)
             if request.logprobs is not None else None,
             "finish_reason": completion.finish_reason.value if completion.finish_reason else None,
             "stop_reason": completion.stop_reason,
         }
         if request.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = self.prompt_logprobs_json(prompt.token_ids, result.prompt_logprobs)
+            choice["prompt_logprobs"] = prompt_logprobs_json(self.texts, prompt.token_ids, result.prompt_logprobs)
         return choice
-
-    def completion_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob | None] | None,
-                            num_top: int, text_offset: int) -> dict:
-        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        logprobs = logprobs or []
-        for i, token_id in enumerate(token_ids):
-            text = self.token_str(token_id)
-            tokens.append(text)
-            offsets.append(text_offset)
-            text_offset += len(text)
-            entry = logprobs[i] if i < len(logprobs) else None
-            if entry is None:
-                token_logprobs.append(None)
-                top_logprobs.append(None)
-                continue
-            token_logprobs.append(clamp_logprob(entry.logprob))
-            top = {self.token_str(t): clamp_logprob(lp) for t, lp in entry.top[:num_top]} if num_top else {}
-            top.setdefault(text, clamp_logprob(entry.logprob))
-            top_logprobs.append(top)
-        return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens,
-                "top_logprobs": top_logprobs}
 
     # ----------------------------------------------------------------- streaming
     async def _stream(self, request: CompletionRequest, request_id: str, model_name: str,
                       prompts: list[PreparedPrompt], params: list[SamplingParams]) -> AsyncGenerator[str, None]:
         created = int(time.time())
         n = request.n
-        streams = [self.generate(p, sp, f"{request_id}-{i}", request.priority)
+        texts = self.texts
+        streams = [self._generate(p, sp, f"{request_id}-{i}", request.priority)
                    for i, (p, sp) in enumerate(zip(prompts, params))]
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
@@ -177,7 +145,7 @@ class OpenAIServingCompletion(OpenAIServing):
         plain_events = SSETemplates(lambda index: chunk(index, TEXT_MARK, None, None, None))  # per choice: text only
 
         try:
-            async with asyncio.timeout(self.config.request_timeout):
+            async with asyncio.timeout(self.request_timeout):
                 async for prompt_index, output in merge_async_iterators(*streams):
                     num_cached[prompt_index] = output.num_cached_tokens
                     for completion in output.outputs:
@@ -192,8 +160,8 @@ class OpenAIServingCompletion(OpenAIServing):
                             continue
                         logprobs = None
                         if request.logprobs is not None:
-                            logprobs = self.completion_logprobs(completion.token_ids, completion.logprobs,
-                                                                request.logprobs, offsets.get(index, 0))
+                            logprobs = completion_logprobs(texts, completion.token_ids, completion.logprobs,
+                                                           request.logprobs, offsets.get(index, 0))
                         offsets[index] = offsets.get(index, 0) + len(completion.text)
                         finish = completion.finish_reason
                         if logprobs is None and finish is None and completion.stop_reason is None and not continuous:
@@ -206,13 +174,12 @@ class OpenAIServingCompletion(OpenAIServing):
             if include_usage:
                 yield sse({**head, "choices": [], "usage": usage(num_prompt_tokens, sum(num_generated), sum(num_cached))})
         except TimeoutError:
-            yield sse(timeout_error(self.config.request_timeout).openai_body())
+            yield sse(timeout_error(self.request_timeout).openai_body())
         except EngineDeadError as exc:
-            yield sse(APIError(f"The engine failed: {exc}", 500).openai_body())
+            yield sse(engine_failed(exc).openai_body())
         except ValueError as exc:
             yield sse(bad_request(str(exc)).openai_body())
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-stream, then end cleanly
             logger.exception("stream failed")
             yield sse(APIError(f"Internal server error: {exc!r}", 500).openai_body())
         yield SSE_DONE
-

@@ -4,31 +4,40 @@ from __future__ import annotations
 
 from starlette.responses import Response
 
-from pagedserve.entrypoints.openai.errors import bad_request, json_response
+from pagedserve.entrypoints.input_checks import ModelLimits
+from pagedserve.entrypoints.openai.chat_template import ChatTemplate
 from pagedserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
-from pagedserve.entrypoints.openai.serving_engine import OpenAIServing
+from pagedserve.entrypoints.openai.request_checks import ServedModels
+from pagedserve.entrypoints.serving.errors import json_response
+from pagedserve.entrypoints.serving.tokenization import PromptTokenizer
 
 
-class OpenAIServingTokenization(OpenAIServing):
+class OpenAIServingTokenization:
+    """Text or chat messages -> token ids, and token ids -> text."""
+
+    def __init__(self, *, models: ServedModels, tokenizer: PromptTokenizer, template: ChatTemplate,
+                 limits: ModelLimits) -> None:
+        self.models = models
+        self.tokenizer = tokenizer
+        self.template = template
+        self.limits = limits
+
     async def tokenize_request(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
-        self.check_model(request.model)
+        self.models.resolve(request.model)
         if isinstance(request, TokenizeChatRequest):
-            text = self.apply_chat_template(
+            text = self.template.apply(
                 request.messages, request.add_generation_prompt, request.continue_final_message,
                 request.chat_template, request.chat_template_kwargs,
             )
         else:
             text = request.prompt
-        token_ids = await self.tokenize(text, request.add_special_tokens)
-        body: dict = {"count": len(token_ids), "max_model_len": self.max_model_len, "tokens": token_ids}
+        token_ids = await self.tokenizer.encode(text, request.add_special_tokens)
+        body: dict = {"count": len(token_ids), "max_model_len": self.limits.max_model_len, "tokens": token_ids}
         if request.return_token_strs:
-            body["token_strs"] = self.tokenizer.convert_ids_to_tokens(token_ids)
+            body["token_strs"] = self.tokenizer.token_strs(token_ids)
         return json_response(body)
 
     async def detokenize_request(self, request: DetokenizeRequest) -> Response:
-        self.check_model(request.model)
-        bad = [t for t in request.tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise bad_request(f"Token id {bad[0]} is out of vocabulary (the vocabulary has {self.vocab_size} tokens).",
-                              "tokens")
+        self.models.resolve(request.model)
+        self.limits.check_token_ids(request.tokens, "tokens")
         return json_response({"prompt": self.tokenizer.decode(request.tokens)})

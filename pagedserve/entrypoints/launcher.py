@@ -1,0 +1,181 @@
+"""Serving the app: bind early, load the engine, run uvicorn, drain on SIGTERM, and exit non-zero
+when the engine core dies. ``run_server(ServerConfig)`` is ``pagedserve serve``'s composition root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import signal
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from pagedserve import __version__
+from pagedserve.engine.core_client import make_engine_core_client
+from pagedserve.entrypoints.api_server import build_app
+from pagedserve.entrypoints.context import ServerContext, build_context
+from pagedserve.entrypoints.http_protocol import http_protocol
+from pagedserve.entrypoints.server_config import HTTPOptions, ServerConfig
+from pagedserve.gc_heap import freeze_heap
+from pagedserve.messages import ModelInfo
+from pagedserve.tokenizer import load_tokenizer, tokenizer_path
+
+logger = logging.getLogger("pagedserve.server")
+
+ENGINE_DEATH_EXIT_DELAY_S = 1.0  # let in-flight 500s reach their clients before exiting
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with a draining SIGTERM: refuse new work, let in-flight requests finish, then exit."""
+
+    def __init__(self, config: uvicorn.Config, context: ServerContext) -> None:
+        super().__init__(config)
+        self.context = context
+        self.shutdown_timeout = context.config.http.shutdown_timeout
+        self.exit_code = 0
+        self._drain_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        state = self.context.state
+        if state.draining or self._loop is None or self.shutdown_timeout <= 0:
+            if state.draining:
+                self.force_exit = True  # a second signal: stop waiting
+            state.draining = True
+            self.should_exit = True
+            return
+        state.draining = True
+        logger.info("Received %s: refusing new requests, draining in-flight ones for up to %.0f s",
+                    signal.Signals(sig).name, self.shutdown_timeout)
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        state = self.context.state
+        engine = self.context.engine
+        deadline = time.monotonic() + self.shutdown_timeout
+        while time.monotonic() < deadline and (state.in_flight > 0 or engine.num_unfinished_requests > 0):
+            await asyncio.sleep(0.05)
+        if engine.num_unfinished_requests:
+            logger.warning("Drain timeout: aborting %d unfinished requests", engine.num_unfinished_requests)
+        self.should_exit = True
+
+    def on_engine_dead(self, error: BaseException) -> None:
+        logger.error("The engine core died (%s); /health now answers 503 and the server exits", error)
+        self.exit_code = 1
+        if self._loop is not None:
+            self._loop.call_later(ENGINE_DEATH_EXIT_DELAY_S, self._exit_now)
+
+    def _exit_now(self) -> None:
+        self.should_exit = True
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets=sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        # NOTE: signals are handled by serve_app through the event loop; uvicorn's own handler
+        # would re-raise SIGTERM after the drain and turn a clean exit into a signal death.
+        yield
+
+    def fatal(self, message: str) -> None:
+        logger.error("%s; exiting", message)
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so a busy port fails fast."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve_app(app: FastAPI, context: ServerContext, sock: socket.socket) -> int:
+    """Serve until SIGTERM/SIGINT (drained) or engine death; return the process exit code."""
+    options = context.config.http
+    config = uvicorn.Config(
+        app, http=http_protocol(options.http_protocol), lifespan="on", log_level=options.log_level,
+        access_log=options.access_log, h11_max_incomplete_event_size=options.max_header_bytes, timeout_keep_alive=5,
+        timeout_graceful_shutdown=max(1, int(min(options.shutdown_timeout, 5))), log_config=None,
+    )
+    server = _Server(config, context)
+    context.engine.on_dead(server.on_engine_dead)
+    context.on_fatal = server.fatal
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.handle_exit, sig, None)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    if not server.started and server.exit_code == 0:
+        return 1
+    return server.exit_code
+
+
+def run_server(config: ServerConfig) -> int:
+    """``pagedserve serve``: the composition root of the server process. Returns the exit code."""
+    options = config.http
+    logging.basicConfig(level=getattr(logging, options.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = bind_socket(config.host, config.port)
+    load_start = time.perf_counter()
+    freeze_heap("server, start-up")  # before an engine core process forks
+    core = make_engine_core_client(config.engine_config, engine=config.engine, core=config.engine_core,
+                                   close_fds=(sock.fileno(),))
+    tokenizer = load_tokenizer(tokenizer_path(config.engine_config.model))
+    context = build_context(config, core, tokenizer)
+    app = build_app(context)
+    url = f"http://{'[' + config.host + ']' if ':' in config.host else config.host}:{sock.getsockname()[1]}"
+    context.on_ready = functools.partial(_on_ready, url, core.model_info, context.models.names, options,
+                                         time.perf_counter() - load_start)
+    with asyncio.Runner(loop_factory=event_loop_factory(options.event_loop)) as runner:
+        return runner.run(serve_app(app, context, sock))
+
+
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """``--event-loop``: uvloop's loop (``auto``: when it is installed), or None for asyncio's own.
+
+    uvloop (libuv) schedules callbacks and writes to sockets in C: a streamed token costs the front
+    end less CPU than with asyncio's pure-Python selector loop, as in vLLM's and uvicorn's servers.
+    """
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise
+        return None
+    return uvloop.new_event_loop
+
+
+def _on_ready(url: str, info: ModelInfo, names: tuple[str, ...], options: HTTPOptions, load_s: float) -> None:
+    """Warmed up and serving: print the banner, then freeze what start-up left alive (``gc_heap``)."""
+    _print_banner(url, info, names, options, load_s)
+    freeze_heap("server, ready")
+
+
+def _print_banner(url: str, info: ModelInfo, names: tuple[str, ...], options: HTTPOptions, load_s: float) -> None:
+    kv = (f"{info.num_kv_blocks} blocks x {info.block_size} tokens = {info.num_kv_blocks * info.block_size} tokens"
+          if info.num_kv_blocks else "not paged (--engine hf)")
+    lines = [
+        f"pagedserve {__version__} serving {names[0]!r} ({info.engine_name} engine) on {url}",
+        f"  OpenAI API: {url}/v1   TGI API: {url}/generate   docs: {url}/docs   metrics: {url}/metrics",
+        f"  context: {info.max_model_len} tokens   KV cache: {kv}",
+        f"  API key: {'required' if options.api_keys else 'none'}   model loaded in {load_s:.1f} s",
+    ]
+    logger.info("\n%s", "\n".join(lines))

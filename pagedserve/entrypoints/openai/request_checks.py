@@ -1,0 +1,70 @@
+"""The OpenAI routes' first checks, in this order: the served model (404), a live engine (503), then
+fields this server cannot honour (400)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.entrypoints.openai.protocol import SamplingFields
+from pagedserve.entrypoints.serving.admission import check_engine_alive
+from pagedserve.entrypoints.serving.errors import APIError, bad_request
+
+logger = logging.getLogger(__name__)
+
+MAX_STOP_SEQUENCES = 16
+_STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                             "logits_processors")
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModels:
+    """The names clients may ask for; the first is the one answered with."""
+
+    names: tuple[str, ...]
+
+    @property
+    def default(self) -> str:
+        return self.names[0]
+
+    def resolve(self, model: str | None) -> str:
+        """The name to answer with; 404 if the client asked for a model we do not serve."""
+        if model is None or model == "" or model in self.names:
+            return self.names[0]
+        raise model_not_found(model)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+
+
+def check_generation_request(request: SamplingFields, models: ServedModels, engine: AsyncLLM) -> str:
+    """What every generation route checks first; returns the model name to answer with."""
+    model_name = models.resolve(request.model)
+    check_engine_alive(engine)
+    reject_unsupported(request)
+    return model_name
+
+
+def reject_unsupported(request: SamplingFields) -> None:
+    if request.model_extra:
+        logger.info("The following fields were present in the request but ignored: %s", sorted(request.model_extra))
+    if request.best_of is not None and request.best_of != 1:
+        raise bad_request("best_of is not supported; use n (and logprobs) instead.", "best_of")
+    if request.use_beam_search:
+        raise bad_request("Beam search is not supported.", "use_beam_search")
+    fmt = request.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise bad_request(f"response_format type {fmt.get('type')!r} is not supported by this server; "
+                          "only 'text' is.", "response_format")
+    for name in _STRUCTURED_OUTPUT_FIELDS:
+        if getattr(request, name) is not None:
+            raise bad_request(f"{name} is not supported by this server.", name)
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    stops = request.stop
+    if isinstance(stops, list) and len(stops) > MAX_STOP_SEQUENCES:
+        raise bad_request(f"At most {MAX_STOP_SEQUENCES} stop sequences are supported.", "stop")

@@ -1,0 +1,39 @@
+"""TGI's routes: /generate, /generate_stream, the compat route ``/`` and /info."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from pagedserve import __version__
+from pagedserve.entrypoints.context import get_context
+from pagedserve.entrypoints.serving.errors import json_response
+from pagedserve.entrypoints.serving.routing import JSON_BODY, with_cancellation
+from pagedserve.entrypoints.tgi.protocol import CompatGenerateRequest, GenerateRequest
+
+router = APIRouter()
+
+
+@router.post("/generate", dependencies=JSON_BODY)
+@with_cancellation
+async def tgi_generate(request: GenerateRequest, raw_request: Request) -> Response:
+    return await get_context(raw_request).tgi.generate_response(request)
+
+
+@router.post("/generate_stream", dependencies=JSON_BODY)
+async def tgi_generate_stream(request: GenerateRequest, raw_request: Request) -> Response:
+    return await get_context(raw_request).tgi.generate_stream_response(request)
+
+
+@router.post("/", dependencies=JSON_BODY)
+@with_cancellation
+async def tgi_compat_generate(request: CompatGenerateRequest, raw_request: Request) -> Response:
+    serving = get_context(raw_request).tgi
+    if request.stream:
+        return await serving.generate_stream_response(request)
+    return await serving.generate_response(request, wrap_in_list=True)
+
+
+@router.get("/info")
+async def tgi_info(raw_request: Request) -> Response:
+    return json_response(get_context(raw_request).tgi.info(__version__))
