@@ -28,12 +28,12 @@ $(RUFF_STAMP): pyproject.toml | $(PY)
 serve: install
 	$(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT)
 
-# The whole suite (CI runs it): unit tests, the C++ kernels (built on first use, ~4 min on 2 cores, then
-# cached), and the tests that load the default model or start real servers (marked slow).
+# The whole suite (CI runs it): unit tests, the C++ kernels (built on first use, then cached), and the
+# tests that load the default model or start real servers (marked slow).
 test: install
 	$(PY) -m pytest -q -rs
 
-# The edit loop: unit tests only (25-45 s on 2 cores). Leaves out the slow tests and those that
+# The edit loop: unit tests only (under a minute). Leaves out the slow tests and those that
 # tests/conftest.py marks `model` (the default model's tokenizer) or `kernels` (the compiled C++ kernels).
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not model and not kernels"

@@ -30,4 +30,14 @@ def __getattr__(name: str):  # lazy: importing the package does not load torch-h
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "FinishReason", "TokenLogprob", "__version__"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "AsyncLLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "FinishReason",
+    "TokenLogprob",
+    "__version__",
+]

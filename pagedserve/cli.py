@@ -13,8 +13,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="High-concurrency LLM inference server")
     parser.add_argument("--version", action="version", version=f"pagedserve {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{serve,bench}")
-    serve = commands.add_parser("serve", help="serve a model over the OpenAI and TGI HTTP APIs",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model over the OpenAI and TGI HTTP APIs",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_serve_arguments(serve)
     bench = commands.add_parser("bench", help="load-test one or more servers")
     try:

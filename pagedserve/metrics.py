@@ -17,18 +17,20 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-from pagedserve.messages import ITERATION_TOKEN_BUCKETS, SchedulerStats
 from pagedserve.engine.output_processor import IterationStats
+from pagedserve.messages import ITERATION_TOKEN_BUCKETS, SchedulerStats
 
 logger = logging.getLogger("pagedserve.stats")
 
 PREFIX = "pagedserve:"
+# fmt: off
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                40.0, 80.0]
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0]
+# fmt: on
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -56,26 +58,43 @@ class _EngineStateCollector:
             gauge.add_metric(value, number)
             yield gauge
         for name, doc, number in (
-            ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-             stats.prefix_cache_queries),
+            (
+                "prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                stats.prefix_cache_queries,
+            ),
             ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits),
             ("num_preemptions", "Cumulative number of preemptions from the engine.", stats.num_preemptions),
-            ("engine_busy_seconds", "Wall seconds the engine core had requests in flight (step start to step start).",
-             stats.busy_seconds),
-            ("model_forward_seconds", "Wall seconds of engine_busy_seconds spent in the model forward pass and logits.",
-             stats.model_forward_seconds),
-            ("model_forward_cpu_seconds", "CPU seconds the engine core's process (all its threads) used during the model "
-             "forward pass and logits; with --engine-core thread that process is the front end's too.",
-             stats.model_forward_cpu_seconds),
-            ("engine_core_cpu_seconds", "CPU seconds of the engine core's process (all its threads); with "
-             "--engine-core thread that process is the front end's too.", stats.engine_cpu_seconds),
+            (
+                "engine_busy_seconds",
+                "Wall seconds the engine core had requests in flight (step start to step start).",
+                stats.busy_seconds,
+            ),
+            (
+                "model_forward_seconds",
+                "Wall seconds of engine_busy_seconds spent in the model forward pass and logits.",
+                stats.model_forward_seconds,
+            ),
+            (
+                "model_forward_cpu_seconds",
+                "CPU seconds the engine core's process (all its threads) used during the model "
+                "forward pass and logits; with --engine-core thread that process is the front end's too.",
+                stats.model_forward_cpu_seconds,
+            ),
+            (
+                "engine_core_cpu_seconds",
+                "CPU seconds of the engine core's process (all its threads); with "
+                "--engine-core thread that process is the front end's too.",
+                stats.engine_cpu_seconds,
+            ),
         ):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             counter.add_metric(value, number)
             yield counter
         if stats.iteration_token_counts:  # the paged engine's steps
-            histogram = HistogramMetricFamily(PREFIX + "iteration_tokens_total",
-                                              "Histogram of the number of tokens per engine step.", labels=labels)
+            histogram = HistogramMetricFamily(
+                PREFIX + "iteration_tokens_total", "Histogram of the number of tokens per engine step.", labels=labels
+            )
             bounds = [str(float(bound)) for bound in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
             buckets = list(zip(bounds, itertools.accumulate(stats.iteration_token_counts)))
             histogram.add_metric(value, buckets, stats.iteration_tokens_sum)
@@ -96,8 +115,12 @@ class Metrics:
         registry.register(_EngineStateCollector(model_name, get_stats))
         label = ["model_name"]
         if num_kv_blocks > 0:  # the paged cache's shape, as vLLM's cache_config_info (turns usage into tokens)
-            Gauge(PREFIX + "cache_config_info", "Information of the KV cache config.", ["block_size", "num_gpu_blocks"],
-                  registry=registry).labels(str(block_size), str(num_kv_blocks)).set(1)
+            Gauge(
+                PREFIX + "cache_config_info",
+                "Information of the KV cache config.",
+                ["block_size", "num_gpu_blocks"],
+                registry=registry,
+            ).labels(str(block_size), str(num_kv_blocks)).set(1)
 
         def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
             return Counter(PREFIX + name, doc, label + (extra or []), registry=registry)
@@ -106,36 +129,53 @@ class Metrics:
             return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=registry).labels(model_name)
 
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.").labels(model_name)
-        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.").labels(model_name)
-        self._request_success = counter("request_success", "Count of finished requests by finish reason.",
-                                        ["finished_reason"])
-        self._rejected = counter("request_rejected", "Requests refused before reaching the engine, by reason.",
-                                 ["reason"])
-        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.",
-                             LATENCY_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds",
-                                    "Histogram of time spent in the WAITING phase for request.", LATENCY_BUCKETS)
-        self.prefill_time = histogram("request_prefill_time_seconds",
-                                      "Histogram of time spent in the PREFILL phase for request.", LATENCY_BUCKETS)
-        self.decode_time = histogram("request_decode_time_seconds",
-                                     "Histogram of time spent in the DECODE phase for request.", LATENCY_BUCKETS)
-        self.inference_time = histogram("request_inference_time_seconds",
-                                        "Histogram of time spent in the RUNNING phase for request.", LATENCY_BUCKETS)
-        self.time_per_output_token = histogram("request_time_per_output_token_seconds",
-                                               "Histogram of the mean time per output token of each request, "
-                                               "decode time / (generation tokens - 1).", ITL_BUCKETS)
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens per request.",
-                                               TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram("request_generation_tokens",
-                                                   "Number of generation tokens per request.", TOKEN_BUCKETS)
-        self.request_params_n = histogram("request_params_n", "Histogram of the n request parameter.",
-                                          [1, 2, 5, 10, 20, 50, 100])
-        self.request_params_max_tokens = histogram("request_params_max_tokens",
-                                                   "Histogram of the max_tokens request parameter.", TOKEN_BUCKETS)
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.").labels(
+            model_name
+        )
+        self._request_success = counter(
+            "request_success", "Count of finished requests by finish reason.", ["finished_reason"]
+        )
+        self._rejected = counter(
+            "request_rejected", "Requests refused before reaching the engine, by reason.", ["reason"]
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.", LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Histogram of time spent in the WAITING phase for request.", LATENCY_BUCKETS
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "Histogram of time spent in the PREFILL phase for request.", LATENCY_BUCKETS
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "Histogram of time spent in the DECODE phase for request.", LATENCY_BUCKETS
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds",
+            "Histogram of time spent in the RUNNING phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Histogram of the mean time per output token of each request, decode time / (generation tokens - 1).",
+            ITL_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Number of prefill tokens per request.", TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Number of generation tokens per request.", TOKEN_BUCKETS
+        )
+        self.request_params_n = histogram(
+            "request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20, 50, 100]
+        )
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", TOKEN_BUCKETS
+        )
         for reason in ("stop", "length", "abort"):
             self._request_success.labels(model_name, reason)
 
@@ -151,10 +191,12 @@ class Metrics:
         for finished in stats.finished_requests:
             self._request_success.labels(self.model_name, finished.finish_reason.value).inc()
             self.e2e.observe(finished.e2e_latency)
-            for histogram, value in ((self.queue_time, finished.queue_time),
-                                     (self.prefill_time, finished.prefill_time),
-                                     (self.decode_time, finished.decode_time),
-                                     (self.inference_time, finished.inference_time)):
+            for histogram, value in (
+                (self.queue_time, finished.queue_time),
+                (self.prefill_time, finished.prefill_time),
+                (self.decode_time, finished.decode_time),
+                (self.inference_time, finished.inference_time),
+            ):
                 if value is not None:
                     histogram.observe(max(value, 0.0))
             if finished.time_per_output_token is not None:

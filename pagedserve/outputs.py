@@ -6,15 +6,12 @@ import enum
 from dataclasses import dataclass, field
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a sequence stopped. ``STOP`` covers EOS, stop token ids and stop strings."""
 
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(slots=True)

@@ -38,16 +38,18 @@ def main() -> None:
     blocks_per_seq = -(-args.context // args.block_size)
     per_layer = blocks_per_seq if args.in_cache else args.batch * blocks_per_seq
     num_blocks = LAYERS * per_layer + 1
-    cache = zeros_on_huge_pages((2, num_blocks, args.block_size, KV_HEADS, HEAD_DIM), torch.bfloat16, torch.device("cpu"))
+    cache = zeros_on_huge_pages(
+        (2, num_blocks, args.block_size, KV_HEADS, HEAD_DIM), torch.bfloat16, torch.device("cpu")
+    )
     flat = cache.view(-1)
     chunk = torch.randn(1 << 20).bfloat16()
     for start in range(0, flat.numel(), chunk.numel()):
-        flat[start:start + chunk.numel()] = chunk[: flat.numel() - start]
+        flat[start : start + chunk.numel()] = chunk[: flat.numel() - start]
     ids = list(range(1, num_blocks))
     random.Random(0).shuffle(ids)
     tables = []
     for layer in range(LAYERS):
-        mine = torch.tensor(ids[layer * per_layer:(layer + 1) * per_layer])
+        mine = torch.tensor(ids[layer * per_layer : (layer + 1) * per_layer])
         tables.append(mine.repeat(args.batch, 1) if args.in_cache else mine.view(args.batch, blocks_per_seq))
     lens = torch.full((args.batch,), args.context, dtype=torch.int64)
     q = torch.randn(args.batch, HEADS, HEAD_DIM).bfloat16()
@@ -60,9 +62,11 @@ def main() -> None:
     per_call = (time.perf_counter() - start) / args.calls
     kv_bytes = args.batch * args.context * 2 * KV_HEADS * HEAD_DIM * 2
     where = "same blocks (in cache)" if args.in_cache else "distinct blocks per layer"
-    print(f"batch {args.batch}, context {args.context}, block size {args.block_size}, {where}: "
-          f"{per_call * 1e3:.2f} ms per layer call ({per_call * LAYERS * 1e3:.1f} ms per {LAYERS}-layer step), "
-          f"{kv_bytes / per_call / 1e9:.1f} GB/s of KV")
+    print(
+        f"batch {args.batch}, context {args.context}, block size {args.block_size}, {where}: "
+        f"{per_call * 1e3:.2f} ms per layer call ({per_call * LAYERS * 1e3:.1f} ms per {LAYERS}-layer step), "
+        f"{kv_bytes / per_call / 1e9:.1f} GB/s of KV"
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,13 @@ def make_prompts(tokenizer, num: int, input_len: int, seed: int) -> list[list[in
 def run_pagedserve(args, prompts) -> tuple[float, int]:
     from pagedserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params.clone(max_tokens=4))  # warm-up
     start = time.perf_counter()
@@ -47,7 +52,9 @@ def run_transformers(args, prompts) -> tuple[float, int]:
     dtype = resolve_dtype(args.dtype, "cpu")
     path = args.model or default_model_path()
     if path.endswith(".gguf"):
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype, local_files_only=True
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.eval()
@@ -55,13 +62,19 @@ def run_transformers(args, prompts) -> tuple[float, int]:
     total, tokens = 0.0, 0
     with torch.inference_mode():
         for start in range(0, len(prompts), args.hf_batch_size):
-            batch = prompts[start:start + args.hf_batch_size]
+            batch = prompts[start : start + args.hf_batch_size]
             width = max(len(p) for p in batch)
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
             t0 = time.perf_counter()
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=args.output_len, min_new_tokens=args.output_len,
-                                 do_sample=False, pad_token_id=pad)
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                do_sample=False,
+                pad_token_id=pad,
+            )
             total += time.perf_counter() - t0
             tokens += (out.shape[1] - width) * len(batch)
     return total, tokens
@@ -82,19 +95,23 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    from pagedserve.tokenizer import load_tokenizer
     from pagedserve.models.default_model import default_model_path
+    from pagedserve.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model or default_model_path())
     prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, args.seed)
     elapsed, tokens = run_pagedserve(args, prompts)
     prompt_tokens = sum(len(p) for p in prompts)
-    print(f"pagedserve:   {tokens} output tokens in {elapsed:.1f} s = {tokens / elapsed:.1f} output tok/s "
-          f"({prompt_tokens / elapsed:.1f} prompt tok/s; with --output-len 1 that is the prefill rate)")
+    print(
+        f"pagedserve:   {tokens} output tokens in {elapsed:.1f} s = {tokens / elapsed:.1f} output tok/s "
+        f"({prompt_tokens / elapsed:.1f} prompt tok/s; with --output-len 1 that is the prefill rate)"
+    )
     if not args.skip_transformers:
         hf_elapsed, hf_tokens = run_transformers(args, prompts)
-        print(f"transformers: {hf_tokens} output tokens in {hf_elapsed:.1f} s = {hf_tokens / hf_elapsed:.1f} output tok/s "
-              f"(batch {args.hf_batch_size})")
+        print(
+            f"transformers: {hf_tokens} output tokens in {hf_elapsed:.1f} s = {hf_tokens / hf_elapsed:.1f} output tok/s "
+            f"(batch {args.hf_batch_size})"
+        )
         print(f"ratio: {(tokens / elapsed) / (hf_tokens / hf_elapsed):.2f}x")
 
 

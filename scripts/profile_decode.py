@@ -65,8 +65,10 @@ def main() -> None:
         engine.step()
     elapsed = time.perf_counter() - start
     step_ms = elapsed / args.steps * 1e3
-    print(f"batch {args.batch}, context ~{args.context}: {step_ms:.1f} ms/step, {args.batch / step_ms * 1e3:.0f} tok/s, "
-          f"{100 * (1 - in_forward[0] / elapsed):.1f} % of the step outside the model forward and logits")
+    print(
+        f"batch {args.batch}, context ~{args.context}: {step_ms:.1f} ms/step, {args.batch / step_ms * 1e3:.0f} tok/s, "
+        f"{100 * (1 - in_forward[0] / elapsed):.1f} % of the step outside the model forward and logits"
+    )
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             engine.step()

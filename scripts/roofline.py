@@ -35,9 +35,15 @@ def model_shape_from_default() -> dict[str, int]:
         reader = open_gguf(default_model_path())
         config = gguf_to_hf_config(read_gguf_metadata(reader), reader)
         heads = config.num_attention_heads
-        return dict(hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
-                    heads=heads, kv_heads=config.num_key_value_heads or heads,
-                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size)
+        return dict(
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            layers=config.num_hidden_layers,
+            heads=heads,
+            kv_heads=config.num_key_value_heads or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            vocab=config.vocab_size,
+        )
     except Exception:  # noqa: BLE001 - the script must run without the package or the model
         return dict(DEFAULT_MODEL)
 
@@ -71,12 +77,16 @@ def matmul_gflops(dtype: torch.dtype, shape: dict[str, int]) -> dict[str, float]
     """GFLOP/s of F.linear on the model's own projections at decode batch 64 and 256, and a big square."""
     h, i = shape["hidden"], shape["intermediate"]
     results = {}
-    cases = {"mlp_up_b64": (64, h, 2 * i), "mlp_up_b256": (256, h, 2 * i), "mlp_down_b256": (256, i, h),
-             "square_2048": (2048, 2048, 2048)}
+    cases = {
+        "mlp_up_b64": (64, h, 2 * i),
+        "mlp_up_b256": (256, h, 2 * i),
+        "mlp_down_b256": (256, i, h),
+        "square_2048": (2048, 2048, 2048),
+    }
     for name, (m, k, n) in cases.items():
         x = torch.randn(m, k).to(dtype)
         w = torch.randn(n, k).to(dtype)
-        seconds = _time(lambda: F.linear(x, w), 0.5)
+        seconds = _time(lambda x=x, w=w: F.linear(x, w), 0.5)
         results[name] = 2.0 * m * k * n / seconds / 1e9
     return results
 
@@ -106,8 +116,9 @@ def memory_bandwidth_gbs(threads: int, read_mib: int = 2048, copy_mib: int = 512
     return {"read": array.nbytes / read_s / 1e9, "copy": 2 * src.numel() * 4 / copy_s / 1e9}
 
 
-def roofline(weights: int, kv_per_token: int, gflops: float, bandwidth_gbs: float, dtype_bytes: int,
-             batch: int, context_len: int) -> float:
+def roofline(
+    weights: int, kv_per_token: int, gflops: float, bandwidth_gbs: float, dtype_bytes: int, batch: int, context_len: int
+) -> float:
     """Output tokens/s bound for ``batch`` sequences decoding at ``context_len`` tokens of context."""
     flops_per_token = 2.0 * weights + 4.0 * context_len * kv_per_token / 2  # weights + attention (QK^T and PV)
     compute_bound = gflops * 1e9 / flops_per_token
@@ -134,8 +145,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     shape = model_shape_from_default()
     weights, kv_per_token = count_params(shape)
-    print(f"torch {torch.__version__}, {args.threads} threads; model: {weights / 1e6:.1f}M matmul weights "
-          f"({2 * weights / 1e6:.0f}M FLOP/token), {kv_per_token} KV elements per token of context")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads; model: {weights / 1e6:.1f}M matmul weights "
+        f"({2 * weights / 1e6:.0f}M FLOP/token), {kv_per_token} KV elements per token of context"
+    )
     gemm = {}
     for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         gemm[name] = matmul_gflops(dtype, shape)
@@ -148,24 +161,40 @@ def main() -> None:
     print("('peak': the best GEMM measured; 'model': the best at the model's own decode shapes)")
     print(f"{'dtype':15s} {'GFLOP/s':>8s} " + " ".join(f"{'batch ' + str(b):>9s}" for b in BATCHES))
     for name, dtype_bytes in (("bfloat16", 2), ("float32", 4)):
-        for kind, gflops in (("peak", max(gemm[name].values())),
-                             ("model", max(v for k, v in gemm[name].items() if not k.startswith("square")))):
+        for kind, gflops in (
+            ("peak", max(gemm[name].values())),
+            ("model", max(v for k, v in gemm[name].items() if not k.startswith("square"))),
+        ):
             key = f"{name} {kind}"
-            rows[key] = {b: roofline(weights, kv_per_token, gflops, best_bw, dtype_bytes, b, args.context_len)
-                         for b in BATCHES}
+            rows[key] = {
+                b: roofline(weights, kv_per_token, gflops, best_bw, dtype_bytes, b, args.context_len) for b in BATCHES
+            }
             print(f"{key:15s} {gflops:8.0f} " + " ".join(f"{v:9.0f}" for v in rows[key].values()))
     saturated = {name: 1e9 * max(gemm[name].values()) / (2.0 * weights) for name in gemm}
     served = _auto_dtype_name()
     for name, value in saturated.items():
         mark = "  <- pagedserve's --dtype auto here" if name == served else ""
-        print(f"saturated {name} decode (peak GEMM / FLOP per token, attention ignored): {value:.0f} tokens/s; "
-              f"60% of it: {0.6 * value:.0f} tokens/s{mark}")
+        print(
+            f"saturated {name} decode (peak GEMM / FLOP per token, attention ignored): {value:.0f} tokens/s; "
+            f"60% of it: {0.6 * value:.0f} tokens/s{mark}"
+        )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:
-            json.dump({"threads": args.threads, "model_shape": shape, "weights": weights, "gemm_gflops": gemm,
-                       "bandwidth_gbs": bandwidth, "roofline_tokens_per_s": rows,
-                       "saturated_bf16_tokens_per_s": saturated["bfloat16"],
-                       "saturated_fp32_tokens_per_s": saturated["float32"], "auto_dtype": served}, file, indent=2)
+            json.dump(
+                {
+                    "threads": args.threads,
+                    "model_shape": shape,
+                    "weights": weights,
+                    "gemm_gflops": gemm,
+                    "bandwidth_gbs": bandwidth,
+                    "roofline_tokens_per_s": rows,
+                    "saturated_bf16_tokens_per_s": saturated["bfloat16"],
+                    "saturated_fp32_tokens_per_s": saturated["float32"],
+                    "auto_dtype": served,
+                },
+                file,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

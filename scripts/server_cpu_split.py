@@ -81,16 +81,42 @@ def main() -> None:
     parser.add_argument("--workload", default="short")
     parser.add_argument("--concurrency", default="64")
     parser.add_argument("--duration", default="20")
-    parser.add_argument("--warmup-duration", type=float, default=0.0,
-                        help="seconds of load before the measurement starts (a steady-state window)")
+    parser.add_argument(
+        "--warmup-duration",
+        type=float,
+        default=0.0,
+        help="seconds of load before the measurement starts (a steady-state window)",
+    )
     args = parser.parse_args()
 
     root = psutil.Process(args.pid)
     with tempfile.TemporaryDirectory() as output_dir:
-        bench = subprocess.Popen([sys.executable, "-m", "pagedserve.bench", "--target", args.url, "--workload", args.workload,
-                                  "--concurrency", args.concurrency, "--duration", args.duration, "--drain-timeout", "0",
-                                  "--warmup-duration", str(args.warmup_duration), "--num-warmups", "0", "--ignore-eos",
-                                  "--no-progress", "--output-dir", output_dir], stdout=subprocess.DEVNULL)
+        bench = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pagedserve.bench",
+                "--target",
+                args.url,
+                "--workload",
+                args.workload,
+                "--concurrency",
+                args.concurrency,
+                "--duration",
+                args.duration,
+                "--drain-timeout",
+                "0",
+                "--warmup-duration",
+                str(args.warmup_duration),
+                "--num-warmups",
+                "0",
+                "--ignore-eos",
+                "--no-progress",
+                "--output-dir",
+                output_dir,
+            ],
+            stdout=subprocess.DEVNULL,
+        )
         if args.warmup_duration > 0:
             while bench.poll() is None and not requests_running(args.url):  # the client loads its tokenizer first
                 time.sleep(0.2)
@@ -102,8 +128,10 @@ def main() -> None:
         after = snapshot(root)
         with open(os.path.join(output_dir, "summary.json")) as f:
             records = json.load(f)["results"]
-    tokens = sum(r["total_output_tokens"] + r.get("incomplete_output_tokens", 0) + r.get("warmup_carried_output_tokens", 0)
-                 for r in records)  # the last: streamed in the window by requests sent during the warm-up
+    tokens = sum(
+        r["total_output_tokens"] + r.get("incomplete_output_tokens", 0) + r.get("warmup_carried_output_tokens", 0)
+        for r in records
+    )  # the last: streamed in the window by requests sent during the warm-up
     engine_after = engine_seconds(args.url)
     for _ in range(60):  # the cut-off requests are aborted; once idle, the core sends exact totals
         time.sleep(0.5)
@@ -126,12 +154,19 @@ def main() -> None:
         return
     front = used.get(args.pid, 0.0) / total
     outside = 1 - forward / busy
-    print(f"engine core: {busy:.1f} s busy, {forward:.1f} s in the model forward and logits "
-          f"({100 * outside:.1f} % outside); {forward_cpu:.1f} s CPU in them")
-    print(f"outside the forward, measured: {total - forward_cpu:.1f} of {total:.1f} s CPU = "
-          f"{100 * (total - forward_cpu) / total:.1f} % of the server's CPU")
-    print(f"outside the forward, wall-time estimate: front end {100 * front:.1f} % + engine core "
-          f"{100 * (1 - front):.1f} % x {100 * outside:.1f} % = {100 * (front + (1 - front) * outside):.1f} %")
+    print(
+        f"engine core: {busy:.1f} s busy, {forward:.1f} s in the model forward and logits "
+        f"({100 * outside:.1f} % outside); {forward_cpu:.1f} s CPU in them"
+    )
+    print(
+        f"outside the forward, measured: {total - forward_cpu:.1f} of {total:.1f} s CPU = "
+        f"{100 * (total - forward_cpu) / total:.1f} % of the server's CPU"
+    )
+    print(
+        f"outside the forward, wall-time estimate: front end {100 * front:.1f} % + engine core "
+        f"{100 * (1 - front):.1f} % x {100 * outside:.1f} % = {100 * (front + (1 - front) * outside):.1f} %"
+    )
+
 
 if __name__ == "__main__":
     main()

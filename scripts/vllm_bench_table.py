@@ -32,8 +32,15 @@ from pathlib import Path
 from pagedserve.bench.report import markdown_table
 
 LAUNCHER = Path(__file__).resolve().parent / "vllm_launcher.py"
-DEFAULT_ROWS = ("50:100:1:16", "50:100:16:160", "50:100:64:512", "200:500:16:64", "200:500:64:192",
-                "500:1000:16:48", "500:1000:64:128")
+DEFAULT_ROWS = (
+    "50:100:1:16",
+    "50:100:16:160",
+    "50:100:64:512",
+    "200:500:16:64",
+    "200:500:64:192",
+    "500:1000:16:48",
+    "500:1000:64:128",
+)
 WORKLOAD_NAMES = {(50, 100): "short", (200, 500): "medium", (500, 1000): "long"}
 
 
@@ -56,12 +63,44 @@ def run_one(args: argparse.Namespace, name: str, url: str, row: tuple[int, int, 
     input_len, output_len, concurrency, prompts = row
     stem = f"{name}-in{input_len}-out{output_len}-c{concurrency}"
     command = [
-        args.vllm_python, str(LAUNCHER), "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
-        "--base-url", url, "--model", args.model, "--tokenizer", args.tokenizer,
-        "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
-        "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
-        "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-        "--save-result", "--result-dir", str(args.output_dir), "--result-filename", f"{stem}.json",
+        args.vllm_python,
+        str(LAUNCHER),
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--endpoint",
+        "/v1/completions",
+        "--base-url",
+        url,
+        "--model",
+        args.model,
+        "--tokenizer",
+        args.tokenizer,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(input_len),
+        "--random-output-len",
+        str(output_len),
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        str(seed),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--save-result",
+        "--result-dir",
+        str(args.output_dir),
+        "--result-filename",
+        f"{stem}.json",
     ]
     log = args.output_dir / f"{stem}.log"
     with log.open("w") as out:
@@ -84,13 +123,28 @@ def table(results: list[tuple[tuple[int, int, int, int], str, dict | None]], fir
             rows.append([workload, str(concurrency), name, "failed", "-", "-", "-", "-"])
             continue
         has_ratio = name != first and base.get(row) and r["output_throughput"]
-        rows.append([
-            workload, str(concurrency), name, str(r["completed"]), f"{r['output_throughput']:.1f}",
-            f"{base[row] / r['output_throughput']:.2f}x" if has_ratio else "-",
-            f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f}", f"{r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f}",
-        ])
-    headers = ["workload (in/out)", "conc.", "server", "completed", "output tok/s", f"{first} / this",
-               "TTFT P50 / P99 ms", "TPOT P50 / P99 ms"]
+        rows.append(
+            [
+                workload,
+                str(concurrency),
+                name,
+                str(r["completed"]),
+                f"{r['output_throughput']:.1f}",
+                f"{base[row] / r['output_throughput']:.2f}x" if has_ratio else "-",
+                f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f}",
+                f"{r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f}",
+            ]
+        )
+    headers = [
+        "workload (in/out)",
+        "conc.",
+        "server",
+        "completed",
+        "output tok/s",
+        f"{first} / this",
+        "TTFT P50 / P99 ms",
+        "TPOT P50 / P99 ms",
+    ]
     return markdown_table(headers, rows)
 
 
@@ -114,8 +168,11 @@ def main() -> None:
             result = run_one(args, name, url, row, seed + i)
             results.append((row, name, result))
             if result:
-                print(f"{name} {row}: {result['output_throughput']:.1f} output tok/s, "
-                      f"P99 TTFT {result['p99_ttft_ms']:.0f} ms, P99 TPOT {result['p99_tpot_ms']:.1f} ms", flush=True)
+                print(
+                    f"{name} {row}: {result['output_throughput']:.1f} output tok/s, "
+                    f"P99 TTFT {result['p99_ttft_ms']:.0f} ms, P99 TPOT {result['p99_tpot_ms']:.1f} ms",
+                    flush=True,
+                )
     report = table(results, args.target[0][0])
     (args.output_dir / "table.md").write_text(report + "\n")
     print(report)

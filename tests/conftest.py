@@ -18,7 +18,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 # A test gets the marker when its function, one of its fixtures, or a function of tests/ that they
 # call names one of these (so nobody has to remember to mark a test that loads them).
 HEAVY_NAMES = {
-    "kernels": {"load_cpu_kernels", "cpu_kernels_or_skip"},  # the C++ build: ~4 min on 2 cores unless cached
+    "kernels": {"load_cpu_kernels", "cpu_kernels_or_skip"},  # the C++ build (slow unless cached)
     "model": {"default_model_path", "RemoteServer"},  # the default model's files: its tokenizer, a server
 }
 
@@ -83,8 +83,16 @@ def server():
     """The default model behind an API key; shared by every test_server_* module that needs no special flags."""
     # NOTE: float32 because a bf16 prefix-cache hit can change greedy output, and these tests compare
     # the text of repeated temperature-0 requests.
-    args = ["--api-key", API_KEY, "--max-request-bytes", str(MAX_REQUEST_BYTES), "--log-stats-interval", "5",
-            "--dtype", "float32"]
+    args = [
+        "--api-key",
+        API_KEY,
+        "--max-request-bytes",
+        str(MAX_REQUEST_BYTES),
+        "--log-stats-interval",
+        "5",
+        "--dtype",
+        "float32",
+    ]
     with RemoteServer(args, api_key=API_KEY) as remote:
         yield remote
 

@@ -57,9 +57,14 @@ class RemoteServer:
     terminates the process (SIGTERM, then SIGKILL) on exit.
     """
 
-    def __init__(self, args: list[str] | None = None, env: dict[str, str] | None = None,
-                 start_timeout: float = DEFAULT_START_TIMEOUT_S, api_key: str | None = None,
-                 launcher: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        start_timeout: float = DEFAULT_START_TIMEOUT_S,
+        api_key: str | None = None,
+        launcher: list[str] | None = None,
+    ) -> None:
         self.args = list(args or [])
         # what runs `pagedserve`: by default this interpreter's `-m pagedserve.cli`
         self.launcher = list(launcher or [sys.executable, "-m", "pagedserve.cli"])
@@ -89,8 +94,9 @@ class RemoteServer:
 
     def __enter__(self) -> RemoteServer:
         cmd = [*self.launcher, "serve", *self.args, "--host", self.host, "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
         try:
             self.wait_until_ready()
         except BaseException:
@@ -105,8 +111,9 @@ class RemoteServer:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"pagedserve exited with {self.proc.returncode} during start-up:\n"
-                                   f"{self.log_text()[-4000:]}")
+                raise RuntimeError(
+                    f"pagedserve exited with {self.proc.returncode} during start-up:\n{self.log_text()[-4000:]}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=5.0).status_code == 200:
                     return

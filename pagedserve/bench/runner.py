@@ -30,12 +30,7 @@ from pagedserve.bench.metrics import (
     tokens_streamed_after,
 )
 from pagedserve.bench.monitor import MemoryStats, ServerMonitor
-from pagedserve.bench.request_funcs import (
-    ENDPOINT_PATHS,
-    RequestFuncInput,
-    RequestFuncOutput,
-    async_request_openai,
-)
+from pagedserve.bench.request_funcs import ENDPOINT_PATHS, RequestFuncInput, RequestFuncOutput, async_request_openai
 
 
 @dataclass(slots=True)

@@ -41,7 +41,11 @@ class KVCacheManager:
 
         At most ``num_tokens - 1`` tokens can hit, so the last token is always computed and yields logits.
         """
-        if not self.enable_caching or request.num_computed_tokens > 0 or request.sampling_params.prompt_logprobs is not None:
+        if (
+            not self.enable_caching
+            or request.num_computed_tokens > 0
+            or request.sampling_params.prompt_logprobs is not None
+        ):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_hashes(request, max_blocks)
@@ -49,13 +53,15 @@ class KVCacheManager:
         tokens = request.all_token_ids
         bs = self.block_size
         for i in range(max_blocks):
-            block = self.pool.get_cached_block(request.block_hashes[i], tokens[i * bs:(i + 1) * bs])
+            block = self.pool.get_cached_block(request.block_hashes[i], tokens[i * bs : (i + 1) * bs])
             if block is None:
                 break
             hits.append(block)
         return hits
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None) -> bool:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> bool:
         """Give ``request`` room for ``num_new_tokens`` more tokens (after its prefix hits).
 
         Returns False, changing nothing, when there are not enough free blocks.
@@ -100,7 +106,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for i in range(request.num_registered_blocks, num_full):
             block = self.pool.blocks[request.block_ids[i]]
-            self.pool.cache_block(block, request.block_hashes[i], tokens[i * bs:(i + 1) * bs])
+            self.pool.cache_block(block, request.block_hashes[i], tokens[i * bs : (i + 1) * bs])
         request.num_registered_blocks = num_full
 
     def free(self, request: Request) -> None:
@@ -136,4 +142,4 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))

@@ -42,8 +42,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        assert request.request_id not in self.requests, f"request id {request.request_id!r} in flight"
         self.requests[request.request_id] = [request]
         if self.config.policy == "priority":
             position = len(self.waiting)
@@ -113,7 +112,9 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_computed_tokens == 0:
                 self.kv_cache.record_prefix_lookup(request.num_tokens, num_hit_tokens)
-                request.num_cached_tokens = num_hit_tokens if request.num_preemptions == 0 else request.num_cached_tokens
+                request.num_cached_tokens = (
+                    num_hit_tokens if request.num_preemptions == 0 else request.num_cached_tokens
+                )
             request.num_computed_tokens += num_hit_tokens
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
@@ -142,7 +143,9 @@ class Scheduler:
             if request.is_finished:
                 continue
             if request.num_computed_tokens < request.num_prompt_tokens:
-                self.num_prompt_tokens += min(item.num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens)
+                self.num_prompt_tokens += min(
+                    item.num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens
+                )
             request.num_computed_tokens += item.num_new_tokens
             self.kv_cache.cache_blocks(request)
             if prompt_logprobs and not request.prompt_logprobs_sent:
@@ -272,7 +275,9 @@ class Scheduler:
         request.stop_reason = stop_reason
         self.kv_cache.free(request)
         # an unforked sample 0 also stands for samples 1..n-1, whose generators the runner may have made
-        self.finished_req_ids.update((request.request_id, request.index + i) for i in range(request.num_samples_to_fork))
+        self.finished_req_ids.update(
+            (request.request_id, request.index + i) for i in range(request.num_samples_to_fork)
+        )
         samples = self.requests.get(request.request_id)
         if samples is not None:
             samples.remove(request)

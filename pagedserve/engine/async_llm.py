@@ -61,10 +61,7 @@ class AsyncLLM:
     """Front end of one engine core: request registry, output handler task, stats hooks."""
 
     def __init__(
-        self,
-        core: EngineCoreClient,
-        tokenizer,
-        stat_observers: list[Callable[[IterationStats], None]] | None = None,
+        self, core: EngineCoreClient, tokenizer, stat_observers: list[Callable[[IterationStats], None]] | None = None
     ) -> None:
         self.core = core
         self.model_info: ModelInfo = core.model_info
@@ -124,12 +121,11 @@ class AsyncLLM:
         """Yield delta RequestOutputs until the request finishes; abort it if the caller goes away.
 
         The request was checked by the caller (the serving layer); raises ValueError for a request id
-        already in flight (the one place the server checks uniqueness), EngineDeadError if the core died.
+        already in flight (``OutputProcessor.add_request``, the one place it is checked), EngineDeadError if
+        the core died.
         """
         if self.is_dead:
             raise EngineDeadError("the engine core is dead")
-        if request_id in self._collectors:
-            raise ValueError(f"request id {request_id!r} is already in use")
         arrival_time = time.monotonic()
         collector = RequestOutputCollector()
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, arrival_time, cumulative=False)
@@ -178,7 +174,7 @@ class AsyncLLM:
                 for start in range(0, len(outputs), OUTPUT_CHUNK_SIZE):
                     if start:
                         await asyncio.sleep(0)
-                    processed = processor.process_outputs(outputs[start:start + OUTPUT_CHUNK_SIZE])
+                    processed = processor.process_outputs(outputs[start : start + OUTPUT_CHUNK_SIZE])
                     for request_output in processed.request_outputs:
                         collector = collectors.get(request_output.request_id)
                         if collector is not None:

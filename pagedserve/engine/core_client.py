@@ -86,8 +86,9 @@ def build_engine(config: EngineConfig, engine: str = "paged"):
     raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
 
 
-def make_engine_core_client(config: EngineConfig, *, engine: str = "paged", core: str = "process",
-                            close_fds: tuple[int, ...] = ()) -> EngineCoreClient:
+def make_engine_core_client(
+    config: EngineConfig, *, engine: str = "paged", core: str = "process", close_fds: tuple[int, ...] = ()
+) -> EngineCoreClient:
     """Build the engine ``engine`` ("paged" | "hf") and its core ``core`` ("process" | "thread").
 
     "process" forks at once (call it before starting any thread) and closes ``close_fds`` in the child

@@ -118,8 +118,9 @@ def run_busy_loop(engine: EngineCore, channel: CoreChannel, *, on_warmed: Callab
             pass
 
 
-def _apply(engine: EngineCore, channel: CoreChannel, messages: list[ClientMessage],
-           on_warmed: Callable[[], None] | None) -> bool:
+def _apply(
+    engine: EngineCore, channel: CoreChannel, messages: list[ClientMessage], on_warmed: Callable[[], None] | None
+) -> bool:
     """Apply the messages in order; True on Shutdown (the ones after it are dropped)."""
     for message in messages:
         kind = type(message)
@@ -262,6 +263,12 @@ class CoreOutputReceiver:
 
 
 __all__ = [
-    "STATS_INTERVAL_S", "ClientGone", "CoreChannel", "CoreOutputReceiver", "EngineCore", "ThreadChannel",
-    "failure_message", "run_busy_loop",
+    "STATS_INTERVAL_S",
+    "ClientGone",
+    "CoreChannel",
+    "CoreOutputReceiver",
+    "EngineCore",
+    "ThreadChannel",
+    "failure_message",
+    "run_busy_loop",
 ]

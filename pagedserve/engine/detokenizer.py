@@ -95,8 +95,8 @@ class IncrementalDetokenizer:
         if self._stopped or self._read_offset >= len(self._ids):
             return None
         old_len = len(self.output_text)
-        new_text = self._decode(self._ids[self._prefix_offset:])
-        tail = new_text[len(self._get_prefix_text()):].rstrip(_REPLACEMENT)
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        tail = new_text[len(self._get_prefix_text()) :].rstrip(_REPLACEMENT)
         self._prefix_offset = self._read_offset = len(self._ids)
         self._prefix_text = None
         self.output_text += tail
@@ -106,30 +106,30 @@ class IncrementalDetokenizer:
         """Text that is safe to send: all of it when finished, else minus the stop hold-back."""
         end = len(self.output_text) if finished else len(self.output_text) - self.stop_buffer_length
         if not delta:
-            return self.output_text[:max(end, 0)]
+            return self.output_text[: max(end, 0)]
         if end <= self._sent_chars:
             return ""
-        text = self.output_text[self._sent_chars:end]
+        text = self.output_text[self._sent_chars : end]
         self._sent_chars = end
         return text
 
     # ----------------------------------------------------------------- internals
     def _get_prefix_text(self) -> str:
         if self._prefix_text is None:
-            self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         return self._prefix_text
 
     def _decode_next(self, token_id: int) -> str:
         self._ids.append(token_id)
         prefix_text = self._get_prefix_text()
-        new_text = self._decode(self._ids[self._prefix_offset:])
+        new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
             # NOTE: slicing by length (not removeprefix) is TGI's choice: the prefix decodes the
             # same inside the longer text for every tokenizer we know of.
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
             self._prefix_text = None
-            return new_text[len(prefix_text):]
+            return new_text[len(prefix_text) :]
         return ""
 
     def _check_stop(self, old_len: int) -> str | None:

@@ -46,8 +46,9 @@ def load_hf_model(config: EngineConfig, device: torch.device) -> tuple[Any, tupl
         raise ModelLoadError(f"transformers cannot load {path!r} for --engine hf: {exc}") from exc
 
 
-def _load(config: EngineConfig, path: str, dtype: torch.dtype,
-          device: torch.device) -> tuple[Any, tuple[int, ...], dict[str, Any], str]:
+def _load(
+    config: EngineConfig, path: str, dtype: torch.dtype, device: torch.device
+) -> tuple[Any, tuple[int, ...], dict[str, Any], str]:
     from transformers import AutoModelForCausalLM
 
     generation_config: dict[str, Any] = {}
@@ -124,7 +125,9 @@ class HFEngine:
         self.eos_token_ids = tuple(eos_token_ids or _id_list(getattr(model.config, "eos_token_id", None)))
         model_len = getattr(model.config, "max_position_embeddings", None) or 2048
         if config.model.max_model_len is not None and config.model.max_model_len > model_len:
-            raise ValueError(f"max_model_len={config.model.max_model_len} exceeds the model's context length ({model_len})")
+            raise ValueError(
+                f"max_model_len={config.model.max_model_len} exceeds the model's context length ({model_len})"
+            )
         self.max_model_len = config.model.max_model_len or model_len
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(self.vocab_size, torch.Generator(device=self.device).manual_seed(config.model.seed))
@@ -168,8 +171,12 @@ class HFEngine:
         for sample in samples:
             if sample[0] not in self._live:
                 continue
-            if (running is not None and self._sample is not None and sample[0] == running.request.request_id
-                    and sample[1] == self._sample.index):
+            if (
+                running is not None
+                and self._sample is not None
+                and sample[0] == running.request.request_id
+                and sample[1] == self._sample.index
+            ):
                 self._end_sample()
             else:
                 self._stopped.add(tuple(sample))
@@ -178,8 +185,9 @@ class HFEngine:
         return self._running is not None or bool(self._queue)
 
     def get_stats(self) -> SchedulerStats:
-        return SchedulerStats(num_running=1 if self._running is not None else 0, num_waiting=len(self._queue),
-                              **self._counters)
+        return SchedulerStats(
+            num_running=1 if self._running is not None else 0, num_waiting=len(self._queue), **self._counters
+        )
 
     # ----------------------------------------------------------------- the loop
     @torch.inference_mode()
@@ -228,8 +236,9 @@ class HFEngine:
         input_ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)  # [1, prompt_len]
         result = self.model(input_ids=input_ids, past_key_values=DynamicCache(), use_cache=True)
         if index == 0 and params.prompt_logprobs is not None:
-            sample.prompt_logprobs = _prompt_logprobs(result.logits[0, :, : self.vocab_size], list(prompt),
-                                                      params.prompt_logprobs)
+            sample.prompt_logprobs = _prompt_logprobs(
+                result.logits[0, :, : self.vocab_size], list(prompt), params.prompt_logprobs
+            )
         sample.past_key_values = result.past_key_values
         sample.logits = result.logits[:, -1, :]  # [1, vocab]
         self._sample = sample
@@ -252,8 +261,15 @@ class HFEngine:
         output_ids.append(token_id)
         self._counters["num_generation_tokens"] += 1
         self._counters["num_steps"] += 1
-        finish_reason, stop_reason = _check_stop(params, token_id, output_ids, sample.eos_token_ids,
-                                                 sample.max_tokens, len(request.prompt_token_ids), self.max_model_len)
+        finish_reason, stop_reason = _check_stop(
+            params,
+            token_id,
+            output_ids,
+            sample.eos_token_ids,
+            sample.max_tokens,
+            len(request.prompt_token_ids),
+            self.max_model_len,
+        )
         first = len(output_ids) == 1
         output = EngineCoreOutput(
             request_id=request.request_id,
@@ -293,8 +309,15 @@ class HFEngine:
             self._stopped = {sample for sample in self._stopped if sample[0] != request_id}
 
 
-def _check_stop(params: SamplingParams, token_id: int, output_ids: list[int], eos_ids: tuple[int, ...],
-                max_tokens: int, prompt_len: int, max_model_len: int) -> tuple[FinishReason | None, int | None]:
+def _check_stop(
+    params: SamplingParams,
+    token_id: int,
+    output_ids: list[int],
+    eos_ids: tuple[int, ...],
+    max_tokens: int,
+    prompt_len: int,
+    max_model_len: int,
+) -> tuple[FinishReason | None, int | None]:
     num_output = len(output_ids)
     if num_output >= params.min_tokens:
         if not params.ignore_eos and token_id in eos_ids:

@@ -50,7 +50,8 @@ class LLMEngine:
         if self.max_model_len < loaded.max_model_len:
             logger.warning(
                 "max_model_len lowered from %d to %d tokens: that is all the KV cache holds",
-                loaded.max_model_len, self.max_model_len,
+                loaded.max_model_len,
+                self.max_model_len,
             )
         self.vocab_size = loaded.vocab_size
         self.eos_token_ids = loaded.eos_token_ids
@@ -87,7 +88,12 @@ class LLMEngine:
         self.dtype = loaded.dtype
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), dtype %s, device %s",
-            num_blocks - 1, block_size, capacity, num_blocks * block_bytes / 2**20, loaded.dtype, self.device,
+            num_blocks - 1,
+            block_size,
+            capacity,
+            num_blocks * block_bytes / 2**20,
+            loaded.dtype,
+            self.device,
         )
 
     @classmethod
@@ -99,7 +105,6 @@ class LLMEngine:
         """Queue a request the front end checked (pagedserve.entrypoints.input_checks); the invariants
         the engine relies on are asserted, not reported."""
         assert 0 < len(request.prompt_token_ids) < self.max_model_len, "prompt empty or longer than the context"
-        assert request.request_id not in self.scheduler.requests, f"request id {request.request_id!r} in flight"
         params = request.sampling_params  # a seed's generators are the runner's (sample i: seed + i)
         self.scheduler.add_request(
             Request(

@@ -18,25 +18,11 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from pagedserve import messages
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError, build_engine
 from pagedserve.engine.core_loop import ClientGone, CoreOutputReceiver, EngineCore, failure_message, run_busy_loop
 from pagedserve.gc_heap import freeze_heap
-from pagedserve.messages import (
-    AbortRequests,
-    AddRequest,
-    ClientMessage,
-    CoreFailed,
-    CoreMessage,
-    CoreReady,
-    EngineCoreOutput,
-    EngineCoreRequest,
-    ModelInfo,
-    SchedulerStats,
-    Shutdown,
-    StopSamples,
-    Warmup,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -47,24 +33,24 @@ class PipeChannel:
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
 
-    def poll(self) -> list[ClientMessage]:
+    def poll(self) -> list[messages.ClientMessage]:
         conn = self._conn
         try:
-            messages = []
+            received = []
             while conn.poll(0):
-                messages.append(conn.recv())
-            return messages
+                received.append(conn.recv())
+            return received
         except (EOFError, OSError) as exc:
             raise ClientGone from exc
 
-    def wait(self) -> list[ClientMessage]:
+    def wait(self) -> list[messages.ClientMessage]:
         try:
             first = self._conn.recv()
         except (EOFError, OSError) as exc:
             raise ClientGone from exc
         return [first, *self.poll()]
 
-    def send(self, message: CoreMessage) -> None:
+    def send(self, message: messages.CoreMessage) -> None:
         try:
             self._conn.send(message)
         except (EOFError, OSError) as exc:
@@ -74,8 +60,9 @@ class PipeChannel:
 EngineSpec = str | Callable[[EngineConfig], EngineCore]  # "paged" | "hf", or a builder (tests: a fake engine)
 
 
-def run_engine_core(config: EngineConfig, conn: Connection, close_fds: tuple[int, ...] = (),
-                    engine: EngineSpec = "paged") -> None:
+def run_engine_core(
+    config: EngineConfig, conn: Connection, close_fds: tuple[int, ...] = (), engine: EngineSpec = "paged"
+) -> None:
     """Body of the core process: build the engine, report ready (or why not), then run the loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which shuts the core down
     for fd in close_fds:  # e.g. the server's listening socket, inherited through fork
@@ -87,7 +74,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, close_fds: tuple[int
     try:
         core = engine(config) if callable(engine) else build_engine(config, engine)
         freeze_heap("engine core")
-        ready: CoreMessage = CoreReady(core.model_info)
+        ready: messages.CoreMessage = messages.CoreReady(core.model_info)
     except BaseException as exc:  # noqa: BLE001 - report any start-up failure to the parent
         core, ready = None, failure_message(exc)
     try:
@@ -104,8 +91,12 @@ class MPEngineCoreClient(EngineCoreClient):
     def __init__(self, config: EngineConfig, engine: EngineSpec = "paged", close_fds: tuple[int, ...] = ()) -> None:
         ctx = mp.get_context("fork")
         self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=run_engine_core, args=(config, child_conn, tuple(close_fds), engine),
-                                 name="pagedserve-engine-core", daemon=True)
+        self._proc = ctx.Process(
+            target=run_engine_core,
+            args=(config, child_conn, tuple(close_fds), engine),
+            name="pagedserve-engine-core",
+            daemon=True,
+        )
         self._proc.start()
         child_conn.close()
         try:
@@ -113,10 +104,10 @@ class MPEngineCoreClient(EngineCoreClient):
         except EOFError:
             self._proc.join(5)
             raise RuntimeError("the engine core process exited during start-up") from None
-        if isinstance(message, CoreFailed):
+        if isinstance(message, messages.CoreFailed):
             self._proc.join(5)
             raise RuntimeError(f"the engine core failed to start:\n{message.details}")
-        assert isinstance(message, CoreReady), message
+        assert isinstance(message, messages.CoreReady), message
         self._model_info = message.model_info
         self._receiver = CoreOutputReceiver()
         self._send_queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -125,7 +116,7 @@ class MPEngineCoreClient(EngineCoreClient):
 
     # ----------------------------------------------------------------- EngineCoreClient
     @property
-    def model_info(self) -> ModelInfo:
+    def model_info(self) -> messages.ModelInfo:
         return self._model_info
 
     @property
@@ -135,7 +126,7 @@ class MPEngineCoreClient(EngineCoreClient):
     async def warmup(self) -> None:
         self._ensure_threads()
         done = self._receiver.expect_warmup()
-        self._send(Warmup())
+        self._send(messages.Warmup())
         await done
 
     async def start(self) -> None:
@@ -144,28 +135,28 @@ class MPEngineCoreClient(EngineCoreClient):
     async def shutdown(self) -> None:
         self._closing = True
         if self._proc.is_alive():
-            self._send(Shutdown())
+            self._send(messages.Shutdown())
             await asyncio.to_thread(self._proc.join, 10)
         if self._proc.is_alive():
             self._proc.kill()
         self._send_queue.put(None)
 
-    async def add_request(self, request: EngineCoreRequest) -> None:
+    async def add_request(self, request: messages.EngineCoreRequest) -> None:
         self._check_alive()
-        self._send(AddRequest(request))
+        self._send(messages.AddRequest(request))
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and not self.is_dead:
-            self._send(AbortRequests(tuple(request_ids)))
+            self._send(messages.AbortRequests(tuple(request_ids)))
 
     async def stop_samples(self, samples: list[tuple[str, int]]) -> None:
         if samples and not self.is_dead:
-            self._send(StopSamples(tuple(samples)))
+            self._send(messages.StopSamples(tuple(samples)))
 
-    async def get_outputs(self) -> list[EngineCoreOutput]:
+    async def get_outputs(self) -> list[messages.EngineCoreOutput]:
         return await self._receiver.mailbox.get()
 
-    def get_stats(self) -> SchedulerStats:
+    def get_stats(self) -> messages.SchedulerStats:
         return self._receiver.stats
 
     # ----------------------------------------------------------------- plumbing
@@ -184,7 +175,7 @@ class MPEngineCoreClient(EngineCoreClient):
         if self._closing:
             raise EngineDeadError("the engine core is shutting down")
 
-    def _send(self, message: ClientMessage) -> None:
+    def _send(self, message: messages.ClientMessage) -> None:
         self._send_queue.put(message)
 
     def _write_loop(self) -> None:
@@ -200,12 +191,12 @@ class MPEngineCoreClient(EngineCoreClient):
             while True:
                 message = self._conn.recv()
                 receiver.handle(message)
-                if isinstance(message, CoreFailed):
+                if isinstance(message, messages.CoreFailed):
                     logger.error("engine core failed:\n%s", message.details)
                     return
         except (EOFError, OSError) as exc:
             if not self._closing:
-                receiver.fail(CoreFailed(f"the engine core process exited ({exc!r})"))
+                receiver.fail(messages.CoreFailed(f"the engine core process exited ({exc!r})"))
 
 
 __all__ = ["MPEngineCoreClient", "PipeChannel", "run_engine_core"]

@@ -10,19 +10,9 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from pagedserve import messages
 from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
 from pagedserve.engine.core_loop import CoreOutputReceiver, EngineCore, ThreadChannel, run_busy_loop
-from pagedserve.messages import (
-    AbortRequests,
-    AddRequest,
-    EngineCoreOutput,
-    EngineCoreRequest,
-    ModelInfo,
-    SchedulerStats,
-    Shutdown,
-    StopSamples,
-    Warmup,
-)
 
 
 class ThreadedEngineCoreClient(EngineCoreClient):
@@ -41,7 +31,7 @@ class ThreadedEngineCoreClient(EngineCoreClient):
 
     # ----------------------------------------------------------------- EngineCoreClient
     @property
-    def model_info(self) -> ModelInfo:
+    def model_info(self) -> messages.ModelInfo:
         return self._model_info
 
     @property
@@ -55,7 +45,7 @@ class ThreadedEngineCoreClient(EngineCoreClient):
     async def warmup(self) -> None:
         self._ensure_started()
         done = self._receiver.expect_warmup()
-        self._channel.put(Warmup())
+        self._channel.put(messages.Warmup())
         await done
 
     async def start(self) -> None:
@@ -63,27 +53,27 @@ class ThreadedEngineCoreClient(EngineCoreClient):
 
     async def shutdown(self) -> None:
         self._closing = True
-        self._channel.put(Shutdown())
+        self._channel.put(messages.Shutdown())
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             await asyncio.to_thread(thread.join, 30.0)
 
-    async def add_request(self, request: EngineCoreRequest) -> None:
+    async def add_request(self, request: messages.EngineCoreRequest) -> None:
         self._check_alive()
-        self._channel.put(AddRequest(request))
+        self._channel.put(messages.AddRequest(request))
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and not self.is_dead:
-            self._channel.put(AbortRequests(tuple(request_ids)))
+            self._channel.put(messages.AbortRequests(tuple(request_ids)))
 
     async def stop_samples(self, samples: list[tuple[str, int]]) -> None:
         if samples and not self.is_dead:
-            self._channel.put(StopSamples(tuple(samples)))
+            self._channel.put(messages.StopSamples(tuple(samples)))
 
-    async def get_outputs(self) -> list[EngineCoreOutput]:
+    async def get_outputs(self) -> list[messages.EngineCoreOutput]:
         return await self._receiver.mailbox.get()
 
-    def get_stats(self) -> SchedulerStats:
+    def get_stats(self) -> messages.SchedulerStats:
         return self._receiver.stats
 
     # ----------------------------------------------------------------- plumbing
@@ -92,8 +82,9 @@ class ThreadedEngineCoreClient(EngineCoreClient):
             return
         self._receiver.bind(asyncio.get_running_loop())
         self._receiver.stats = self._engine.get_stats()
-        self._thread = threading.Thread(target=run_busy_loop, args=(self._engine, self._channel),
-                                        name="engine-core", daemon=True)
+        self._thread = threading.Thread(
+            target=run_busy_loop, args=(self._engine, self._channel), name="engine-core", daemon=True
+        )
         self._thread.start()
 
     def _check_alive(self) -> None:

@@ -62,8 +62,12 @@ async def metrics(raw_request: Request) -> Response:
 
 def build_app(context: ServerContext) -> FastAPI:
     """The FastAPI app over the context's (not yet started) engine. Its lifespan warms up and starts it."""
-    app = FastAPI(title="pagedserve", version=__version__, lifespan=_lifespan,
-                  description="OpenAI- and TGI-compatible LLM inference server")
+    app = FastAPI(
+        title="pagedserve",
+        version=__version__,
+        lifespan=_lifespan,
+        description="OpenAI- and TGI-compatible LLM inference server",
+    )
     app.include_router(openai_router)
     app.include_router(tgi_router)
     app.include_router(router)
@@ -78,17 +82,20 @@ def _add_middleware(app: FastAPI, context: ServerContext) -> None:
     # NOTE: add_middleware wraps the app, so the last added runs first (outermost).
     if options.rate_limit:
         limit, period = options.rate_limit
-        app.add_middleware(RateLimitMiddleware, limit=limit, period_s=period,
-                           on_reject=context.metrics.record_rejected)
+        app.add_middleware(RateLimitMiddleware, limit=limit, period_s=period, on_reject=context.metrics.record_rejected)
     if options.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=list(options.api_keys))
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
     app.add_middleware(ServerStateMiddleware, state=context.state)
     app.add_middleware(TimingMiddleware)
     if options.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
-                           allow_credentials=options.allow_credentials, allow_methods=list(options.allowed_methods),
-                           allow_headers=list(options.allowed_headers))
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(options.allowed_origins),
+            allow_credentials=options.allow_credentials,
+            allow_methods=list(options.allowed_methods),
+            allow_headers=list(options.allowed_headers),
+        )
 
 
 @asynccontextmanager

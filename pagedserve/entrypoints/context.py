@@ -17,6 +17,7 @@ from pagedserve.engine.core_client import EngineCoreClient
 from pagedserve.entrypoints.input_checks import ModelLimits
 from pagedserve.entrypoints.middleware import ServerState
 from pagedserve.entrypoints.openai.chat_template import ChatTemplate
+from pagedserve.entrypoints.openai.handler_parts import GenerationParts
 from pagedserve.entrypoints.openai.prompts import OpenAIPrompts
 from pagedserve.entrypoints.openai.request_checks import ServedModels
 from pagedserve.entrypoints.openai.sampling import SamplingBuilder, SamplingDefaults
@@ -68,8 +69,9 @@ def build_context(config: ServerConfig, core: EngineCoreClient, tokenizer: Any) 
     metrics = Metrics(models.default, core.get_stats, info.block_size, info.num_kv_blocks)
     stats_line = StatsLogLine(core.get_stats)
     engine = AsyncLLM(core, tokenizer, stat_observers=[metrics.record, stats_line.record])
-    admission = AdmissionControl(config.admission_capacity, config.http.retry_after_s,
-                                 on_reject=metrics.record_rejected)
+    admission = AdmissionControl(
+        config.admission_capacity, config.http.retry_after_s, on_reject=metrics.record_rejected
+    )
     limits = ModelLimits(info.max_model_len, info.vocab_size, config.engine_config.max_logprobs)
     prompt_tokenizer = PromptTokenizer(tokenizer)
     template = ChatTemplate(tokenizer)
@@ -77,8 +79,7 @@ def build_context(config: ServerConfig, core: EngineCoreClient, tokenizer: Any) 
     timeout = config.http.request_timeout
     prompts = OpenAIPrompts(prompt_tokenizer, template, limits)
     sampling = SamplingBuilder(limits, SamplingDefaults.from_generation_config(info.generation_config))
-    generation = dict(engine=engine, models=models, prompts=prompts, sampling=sampling, admission=admission,
-                      texts=texts, request_timeout=timeout)
+    generation = GenerationParts(engine, models, prompts, sampling, admission, texts, timeout)
     return ServerContext(
         config=config,
         engine=engine,
@@ -90,11 +91,18 @@ def build_context(config: ServerConfig, core: EngineCoreClient, tokenizer: Any) 
         models=models,
         model_root=config.engine_config.model.model or info.model_name,
         created=int(time.time()),
-        completion=OpenAIServingCompletion(**generation),
-        chat=OpenAIServingChat(**generation),
-        tokenization=OpenAIServingTokenization(models=models, tokenizer=prompt_tokenizer, template=template,
-                                               limits=limits),
-        tgi=TGIServing(engine=engine, planner=TGIPlanner(prompt_tokenizer, limits), details=TGIDetails(texts),
-                       admission=admission, request_timeout=timeout, model_name=models.default,
-                       model_dtype=info.dtype),
+        completion=OpenAIServingCompletion(generation),
+        chat=OpenAIServingChat(generation),
+        tokenization=OpenAIServingTokenization(
+            models=models, tokenizer=prompt_tokenizer, template=template, limits=limits
+        ),
+        tgi=TGIServing(
+            engine=engine,
+            planner=TGIPlanner(prompt_tokenizer, limits),
+            details=TGIDetails(texts),
+            admission=admission,
+            request_timeout=timeout,
+            model_name=models.default,
+            model_dtype=info.dtype,
+        ),
     )

@@ -61,7 +61,9 @@ if HttpToolsProtocol is not None:
             self.logger.warning("Request head over %s bytes refused with 431", self._head_limit)
             self.transport.write(
                 b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                b"content-length: " + str(len(HEAD_TOO_LARGE)).encode() + b"\r\nconnection: close\r\n\r\n"
+                b"content-length: "
+                + str(len(HEAD_TOO_LARGE)).encode()
+                + b"\r\nconnection: close\r\n\r\n"
                 + HEAD_TOO_LARGE
             )
             self.transport.close()

@@ -40,7 +40,8 @@ class ModelLimits:
         bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
             raise InputError(
-                f"Token id {bad[0]!r} is out of vocabulary (the vocabulary has {self.vocab_size} tokens).", param)
+                f"Token id {bad[0]!r} is out of vocabulary (the vocabulary has {self.vocab_size} tokens).", param
+            )
 
     def check_prompt_length(self, num_prompt_tokens: int) -> None:
         """A prompt must leave room for at least one generated token (vLLM's message)."""
@@ -48,7 +49,9 @@ class ModelLimits:
             raise InputError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{num_prompt_tokens} tokens in the messages, Please reduce the length of the messages.",
-                "messages", "context_length_exceeded")
+                "messages",
+                "context_length_exceeded",
+            )
 
     def check_prompt_and_max_tokens(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """An explicit max_tokens must fit the context together with the prompt (vLLM's message)."""
@@ -57,7 +60,9 @@ class ModelLimits:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} in "
                 f"the completion). Please reduce the length of the messages or completion.",
-                "max_tokens", "context_length_exceeded")
+                "max_tokens",
+                "context_length_exceeded",
+            )
 
     def check_logprobs(self, value: int | None, param: str) -> None:
         if value is None:
@@ -65,8 +70,9 @@ class ModelLimits:
         if value < 0:
             raise InputError(f"`{param}` must be a non-negative value.", param)
         if value > self.max_logprobs:
-            raise InputError(f"Requested {param} of {value}, which is greater than max allowed: {self.max_logprobs}",
-                             param)
+            raise InputError(
+                f"Requested {param} of {value}, which is greater than max allowed: {self.max_logprobs}", param
+            )
 
     def check_stop_token_ids(self, token_ids: Sequence[int]) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]

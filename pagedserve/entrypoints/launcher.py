@@ -52,8 +52,11 @@ class _Server(uvicorn.Server):
             self.should_exit = True
             return
         state.draining = True
-        logger.info("Received %s: refusing new requests, draining in-flight ones for up to %.0f s",
-                    signal.Signals(sig).name, self.shutdown_timeout)
+        logger.info(
+            "Received %s: refusing new requests, draining in-flight ones for up to %.0f s",
+            signal.Signals(sig).name,
+            self.shutdown_timeout,
+        )
         self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
@@ -106,9 +109,15 @@ async def serve_app(app: FastAPI, context: ServerContext, sock: socket.socket) -
     """Serve until SIGTERM/SIGINT (drained) or engine death; return the process exit code."""
     options = context.config.http
     config = uvicorn.Config(
-        app, http=http_protocol(options.http_protocol), lifespan="on", log_level=options.log_level,
-        access_log=options.access_log, h11_max_incomplete_event_size=options.max_header_bytes, timeout_keep_alive=5,
-        timeout_graceful_shutdown=max(1, int(min(options.shutdown_timeout, 5))), log_config=None,
+        app,
+        http=http_protocol(options.http_protocol),
+        lifespan="on",
+        log_level=options.log_level,
+        access_log=options.access_log,
+        h11_max_incomplete_event_size=options.max_header_bytes,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=max(1, int(min(options.shutdown_timeout, 5))),
+        log_config=None,
     )
     server = _Server(config, context)
     context.engine.on_dead(server.on_engine_dead)
@@ -129,19 +138,22 @@ async def serve_app(app: FastAPI, context: ServerContext, sock: socket.socket) -
 def run_server(config: ServerConfig) -> int:
     """``pagedserve serve``: the composition root of the server process. Returns the exit code."""
     options = config.http
-    logging.basicConfig(level=getattr(logging, options.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, options.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     sock = bind_socket(config.host, config.port)
     load_start = time.perf_counter()
     freeze_heap("server, start-up")  # before an engine core process forks
-    core = make_engine_core_client(config.engine_config, engine=config.engine, core=config.engine_core,
-                                   close_fds=(sock.fileno(),))
+    core = make_engine_core_client(
+        config.engine_config, engine=config.engine, core=config.engine_core, close_fds=(sock.fileno(),)
+    )
     tokenizer = load_tokenizer(tokenizer_path(config.engine_config.model))
     context = build_context(config, core, tokenizer)
     app = build_app(context)
     url = f"http://{'[' + config.host + ']' if ':' in config.host else config.host}:{sock.getsockname()[1]}"
-    context.on_ready = functools.partial(_on_ready, url, core.model_info, context.models.names, options,
-                                         time.perf_counter() - load_start)
+    context.on_ready = functools.partial(
+        _on_ready, url, core.model_info, context.models.names, options, time.perf_counter() - load_start
+    )
     with asyncio.Runner(loop_factory=event_loop_factory(options.event_loop)) as runner:
         return runner.run(serve_app(app, context, sock))
 
@@ -170,8 +182,11 @@ def _on_ready(url: str, info: ModelInfo, names: tuple[str, ...], options: HTTPOp
 
 
 def _print_banner(url: str, info: ModelInfo, names: tuple[str, ...], options: HTTPOptions, load_s: float) -> None:
-    kv = (f"{info.num_kv_blocks} blocks x {info.block_size} tokens = {info.num_kv_blocks * info.block_size} tokens"
-          if info.num_kv_blocks else "not paged (--engine hf)")
+    kv = (
+        f"{info.num_kv_blocks} blocks x {info.block_size} tokens = {info.num_kv_blocks * info.block_size} tokens"
+        if info.num_kv_blocks
+        else "not paged (--engine hf)"
+    )
     lines = [
         f"pagedserve {__version__} serving {names[0]!r} ({info.engine_name} engine) on {url}",
         f"  OpenAI API: {url}/v1   TGI API: {url}/generate   docs: {url}/docs   metrics: {url}/metrics",

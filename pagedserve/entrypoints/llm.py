@@ -49,17 +49,18 @@ class LLM:
         max_logprobs: int = 20,
     ) -> None:
         config = EngineConfig(
-            model=ModelConfig(
-                model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
-                seed=seed,
-            ),
+            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed),
             cache=CacheConfig(
-                block_size=block_size, kv_cache_memory=parse_size(kv_cache_memory),
-                enable_prefix_caching=enable_prefix_caching, num_blocks_override=num_kv_blocks,
+                block_size=block_size,
+                kv_cache_memory=parse_size(kv_cache_memory),
+                enable_prefix_caching=enable_prefix_caching,
+                num_blocks_override=num_kv_blocks,
             ),
             scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                enable_chunked_prefill=enable_chunked_prefill,
+                policy=scheduling_policy,
             ),
             device=device,
             num_threads=num_threads,
@@ -117,7 +118,9 @@ class LLM:
         for conversation in conversations:
             if not conversation:
                 raise ValueError("a conversation needs at least one message")
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
             prompts.append({"prompt": text, "prompt_token_ids": self._encode(text)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -125,7 +128,9 @@ class LLM:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _make_request(self, item: PromptInput, params: SamplingParams, priority: int) -> tuple[EngineCoreRequest, str | None]:
+    def _make_request(
+        self, item: PromptInput, params: SamplingParams, priority: int
+    ) -> tuple[EngineCoreRequest, str | None]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         text: str | None
@@ -145,14 +150,21 @@ class LLM:
         else:
             raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(item).__name__}")
         request_id = str(next(self._counter))
-        request = EngineCoreRequest(request_id, list(token_ids), params, time.monotonic(), priority, self._eos_token_ids)
+        request = EngineCoreRequest(
+            request_id, list(token_ids), params, time.monotonic(), priority, self._eos_token_ids
+        )
         return request, text
 
     def _run(self, requests: list[tuple[EngineCoreRequest, str | None]], use_tqdm: bool) -> list[RequestOutput]:
         processor = OutputProcessor(self.tokenizer)
         for request, text in requests:
             processor.add_request(
-                request.request_id, text, request.prompt_token_ids, request.sampling_params, request.arrival_time, cumulative=True
+                request.request_id,
+                text,
+                request.prompt_token_ids,
+                request.sampling_params,
+                request.arrival_time,
+                cumulative=True,
             )
             self.engine.add_request(request)
         finished: dict[str, RequestOutput] = {}

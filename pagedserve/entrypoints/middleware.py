@@ -18,8 +18,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedserve.entrypoints.serving.errors import APIError, error_response
 
-OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/info", "/docs", "/redoc", "/openapi.json",
-                        "/docs/oauth2-redirect", "/load"})
+OPEN_PATHS = frozenset(
+    {
+        "/health",
+        "/ping",
+        "/metrics",
+        "/version",
+        "/info",
+        "/docs",
+        "/redoc",
+        "/openapi.json",
+        "/docs/oauth2-redirect",
+        "/load",
+    }
+)
 GUARDED_EXACT = frozenset({"/", "/tokenize", "/detokenize", "/generate", "/generate_stream", "/invocations"})
 
 
@@ -60,8 +72,16 @@ class ServerStateMiddleware:
         state = self.state
         if is_guarded_path(scope["path"]) and (state.draining or not state.ready):
             reason = "shutting down" if state.draining else "starting up (loading and warming up the model)"
-            await _send_error(scope, send, APIError(f"The server is {reason}; retry later.", 503,
-                                                    code="service_unavailable", headers={"Retry-After": "1"}))
+            await _send_error(
+                scope,
+                send,
+                APIError(
+                    f"The server is {reason}; retry later.",
+                    503,
+                    code="service_unavailable",
+                    headers={"Retry-After": "1"},
+                ),
+            )
             return
         state.in_flight += 1
         try:
@@ -135,8 +155,7 @@ class BodyLimitMiddleware:
         await self.app(scope, receive, send)
 
     def _too_large(self) -> APIError:
-        return APIError(f"Request body too large: the limit is {self.max_bytes} bytes.", 413,
-                        code="request_too_large")
+        return APIError(f"Request body too large: the limit is {self.max_bytes} bytes.", 413, code="request_too_large")
 
     async def _buffer_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
         """Read a body of unknown length, counting bytes; replay it to the app, then pass through."""
@@ -189,9 +208,13 @@ class APIKeyMiddleware:
             return
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
         if not self._authorized(header):
-            error = APIError("Invalid or missing API key. Pass it as 'Authorization: Bearer <key>'.", 401,
-                             code="invalid_api_key", type="invalid_request_error",
-                             headers={"WWW-Authenticate": "Bearer"})
+            error = APIError(
+                "Invalid or missing API key. Pass it as 'Authorization: Bearer <key>'.",
+                401,
+                code="invalid_api_key",
+                type="invalid_request_error",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             await _send_error(scope, send, error)
             return
         await self.app(scope, receive, send)
@@ -202,8 +225,9 @@ class RateLimitMiddleware:
 
     MAX_CLIENTS = 100_000
 
-    def __init__(self, app: ASGIApp, limit: int, period_s: float,
-                 on_reject: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, limit: int, period_s: float, on_reject: Callable[[str], None] | None = None
+    ) -> None:
         self.app = app
         self.capacity = float(limit)
         self.rate = limit / period_s  # tokens per second
@@ -240,8 +264,13 @@ class RateLimitMiddleware:
         if wait > 0.0:
             if self.on_reject is not None:
                 self.on_reject("rate_limited")
-            error = APIError("Rate limit exceeded; retry later.", 429, code="rate_limit_exceeded",
-                             type="rate_limit_error", headers={"Retry-After": str(max(1, math.ceil(wait)))})
+            error = APIError(
+                "Rate limit exceeded; retry later.",
+                429,
+                code="rate_limit_exceeded",
+                type="rate_limit_error",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
             await _send_error(scope, send, error)
             return
         await self.app(scope, receive, send)

@@ -42,7 +42,14 @@ def load_cpu_kernels() -> ModuleType | None:
 
         # NOTE: no -ffast-math: it links crtfastmath, which turns on flush-to-zero for the whole process
         flags = ["-O3", "-fopenmp", "-march=native"]
-        module = load(name=name, sources=_SOURCES, extra_include_paths=[_CSRC], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        module = load(
+            name=name,
+            sources=_SOURCES,
+            extra_include_paths=[_CSRC],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference path"
         logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch reference attention", exc)
         return None

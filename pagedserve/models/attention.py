@@ -124,7 +124,9 @@ def paged_attention(
     out = torch.empty_like(query)
     if num:
         if kernels is not None:
-            out[:num] = kernels.paged_decode_attention(query[:num], kv_cache, meta.block_tables[:num], meta.seq_lens[:num], scale)
+            out[:num] = kernels.paged_decode_attention(
+                query[:num], kv_cache, meta.block_tables[:num], meta.seq_lens[:num], scale
+            )
         else:
             out[:num] = _decode_attention(query[:num], kv_cache, meta, scale)
     if prefill_kernel:
@@ -156,7 +158,9 @@ def _prefill_kernel_applies(kernels: ModuleType | None, query: torch.Tensor, kv_
     )
 
 
-def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_context(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[seq_len, num_kv_heads, head_dim]`` of one request, read through its block table."""
     block_size = kv_cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size

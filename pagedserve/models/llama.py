@@ -82,9 +82,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         size = config.intermediate_size
-        self.gate_up_proj = Linear(
-            config.hidden_size, 2 * size, bias=bias, shard_sizes={0: size, 1: size}, dtype=dtype
-        )
+        self.gate_up_proj = Linear(config.hidden_size, 2 * size, bias=bias, shard_sizes={0: size, 1: size}, dtype=dtype)
         self.down_proj = Linear(size, config.hidden_size, bias=bias, dtype=dtype)
         self.act_fn = SiluAndMul()
 

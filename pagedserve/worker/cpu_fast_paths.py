@@ -69,13 +69,19 @@ def pack_linear_weights(model: nn.Module, batch_size_hint: int, kernels: ModuleT
             packed += 1
     for attribute in ("amx_weight", "vnni_weight"):
         _move_weights_to_huge_pages(model, attribute)
-    logger.debug("packed %d linear weights (AMX copies: %s, AVX512-BF16 layout: %s)", packed, amx_kernels is not None,
-                 vnni_kernels is not None)
+    logger.debug(
+        "packed %d linear weights (AMX copies: %s, AVX512-BF16 layout: %s)",
+        packed,
+        amx_kernels is not None,
+        vnni_kernels is not None,
+    )
     return packed
 
 
 def _move_weights_to_huge_pages(model: nn.Module, attribute: str) -> None:
-    layers = [module for module in model.modules() if isinstance(module, Linear) and getattr(module, attribute) is not None]
+    layers = [
+        module for module in model.modules() if isinstance(module, Linear) and getattr(module, attribute) is not None
+    ]
     weights = [getattr(layer, attribute) for layer in layers]
     for layer in layers:
         setattr(layer, attribute, None)  # the list holds the only reference: each original goes once copied

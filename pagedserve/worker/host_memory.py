@@ -65,7 +65,7 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     copies, offset = [], 0
     for size in sizes:
         tensor = tensors.pop(0)
-        copy = arena[offset:offset + size].view(tensor.dtype).view(tensor.shape)
+        copy = arena[offset : offset + size].view(tensor.dtype).view(tensor.shape)
         copy.copy_(tensor)
         copies.append(copy)
         offset += (size + 63) // 64 * 64

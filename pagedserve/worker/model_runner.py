@@ -23,7 +23,9 @@ from pagedserve.worker.host_memory import zeros_on_huge_pages
 from pagedserve.worker.sampler import Sampler, SamplingRow
 
 
-def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
@@ -121,7 +123,9 @@ class ModelRunner:
                 if logprob is not None:
                     logprobs[owner] = (logprobs[owner] or []) + [logprob]
         prompt_logprobs = [
-            self._prompt_logprobs(item, hidden, meta.query_start_loc[k]) if item.request.sampling_params.prompt_logprobs is not None else None
+            self._prompt_logprobs(item, hidden, meta.query_start_loc[k])
+            if item.request.sampling_params.prompt_logprobs is not None
+            else None
             for k, item in enumerate(items)
         ]
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
@@ -155,7 +159,9 @@ class ModelRunner:
         key = (request.request_id, index)
         generator = self._generators.get(key)
         if generator is None:
-            generator = self._generators[key] = torch.Generator(device=self.device).manual_seed((seed + index) % (2**63))
+            generator = self._generators[key] = torch.Generator(device=self.device).manual_seed(
+                (seed + index) % (2**63)
+            )
         return generator
 
     def _prompt_logprobs(self, item: ScheduledRequest, hidden: torch.Tensor, start: int) -> list[TokenLogprob | None]:
@@ -167,13 +173,13 @@ class ModelRunner:
         last = min(first + item.num_new_tokens, request.num_prompt_tokens - 1)
         if last <= first:
             return result
-        logits = self.model.compute_logits(hidden[start:start + (last - first)])  # [m, vocab]
+        logits = self.model.compute_logits(hidden[start : start + (last - first)])  # [m, vocab]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        targets = torch.tensor(request.prompt_token_ids[first + 1:last + 1], device=logprobs.device)
+        targets = torch.tensor(request.prompt_token_ids[first + 1 : last + 1], device=logprobs.device)
         chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
         ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
         n = request.sampling_params.prompt_logprobs or 0
-        top_v, top_i = (logprobs.topk(n, dim=-1) if n else (None, None))
+        top_v, top_i = logprobs.topk(n, dim=-1) if n else (None, None)
         for j in range(last - first):
             top = list(zip(top_i[j].tolist(), top_v[j].tolist())) if n else []
             result.append(TokenLogprob(int(targets[j]), float(chosen[j]), int(ranks[j]), top))

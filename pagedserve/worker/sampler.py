@@ -70,7 +70,11 @@ class Sampler:
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """Argmax of each row, in the logits' own dtype (rounding to float32 keeps the order)."""
-        if self.argmax_rows is not None and logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32):
+        if (
+            self.argmax_rows is not None
+            and logits.device.type == "cpu"
+            and logits.dtype in (torch.bfloat16, torch.float32)
+        ):
             return self.argmax_rows(logits)
         return logits.max(dim=-1).indices  # NOTE: faster than argmax on CPU
 
@@ -78,9 +82,13 @@ class Sampler:
         for i, row in enumerate(rows):
             params = row.params
             if params.logit_bias:
-                ids = torch.tensor([k for k in params.logit_bias if k < self.vocab_size], dtype=torch.long, device=logits.device)
+                ids = torch.tensor(
+                    [k for k in params.logit_bias if k < self.vocab_size], dtype=torch.long, device=logits.device
+                )
                 values = torch.tensor(
-                    [v for k, v in params.logit_bias.items() if k < self.vocab_size], dtype=logits.dtype, device=logits.device
+                    [v for k, v in params.logit_bias.items() if k < self.vocab_size],
+                    dtype=logits.dtype,
+                    device=logits.device,
                 )
                 logits[i].index_add_(0, ids, values)
             if params.min_tokens and len(row.output_token_ids) < params.min_tokens:
@@ -117,7 +125,9 @@ class Sampler:
             values, token_ids = cand_logits.topk(CANDIDATES, dim=-1)  # sorted, [r, CANDIDATES]
             cand_params = [params[k] for k in truncated]
             has_top_k = torch.tensor([0 < p.top_k <= CANDIDATES for p in cand_params], device=sub.device).unsqueeze(1)
-            k = torch.tensor([p.top_k if 0 < p.top_k <= CANDIDATES else CANDIDATES for p in cand_params], device=sub.device)
+            k = torch.tensor(
+                [p.top_k if 0 < p.top_k <= CANDIDATES else CANDIDATES for p in cand_params], device=sub.device
+            )
             beyond_k = torch.arange(CANDIDATES, device=sub.device).unsqueeze(0) >= k.unsqueeze(1)
             # the nucleus is measured against the whole distribution, or the top-k set when there is one
             log_norm = torch.where(
@@ -128,7 +138,10 @@ class Sampler:
             mass = torch.exp(values - log_norm).sum(dim=-1)  # candidates' share of that mass
             top_p = torch.tensor([p.top_p for p in cand_params], dtype=mass.dtype, device=mass.device)
             fits = (has_top_k.squeeze(1) | (mass >= top_p + 1e-4)).tolist()
-            fits = [ok and (0 < p.top_k <= CANDIDATES or not 0 < p.top_k < sub.shape[-1]) for ok, p in zip(fits, cand_params)]
+            fits = [
+                ok and (0 < p.top_k <= CANDIDATES or not 0 < p.top_k < sub.shape[-1])
+                for ok, p in zip(fits, cand_params)
+            ]
             picked = [j for j, ok in enumerate(fits) if ok]
             if picked:
                 sel = torch.tensor(picked, dtype=torch.long, device=sub.device)
@@ -175,8 +188,10 @@ CANDIDATES = 1024  # tokens considered first for top-k / top-p rows
 
 def _needs_processing(row: SamplingRow) -> bool:
     params = row.params
-    return bool(params.logit_bias) or params.needs_penalties or (
-        params.min_tokens > 0 and len(row.output_token_ids) < params.min_tokens
+    return (
+        bool(params.logit_bias)
+        or params.needs_penalties
+        or (params.min_tokens > 0 and len(row.output_token_ids) < params.min_tokens)
     )
 
 
@@ -196,9 +211,7 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow, vocab_size: int) ->
     device = logits.device
     output = torch.tensor([t for t in row.output_token_ids if t < vocab_size], dtype=torch.long, device=device)
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(
-            [t for t in row.prompt_token_ids if t < vocab_size], dtype=torch.long, device=device
-        )
+        seen = torch.tensor([t for t in row.prompt_token_ids if t < vocab_size], dtype=torch.long, device=device)
         seen = torch.unique(torch.cat([seen, output]))
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
@@ -239,7 +252,10 @@ def _top_k_top_p_min_p(
         logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
     if any(m > 0.0 for m in min_p):
         probs = torch.softmax(logits, dim=-1)
-        threshold = torch.tensor(min_p, dtype=probs.dtype, device=logits.device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        threshold = (
+            torch.tensor(min_p, dtype=probs.dtype, device=logits.device).unsqueeze(1)
+            * probs.max(dim=-1, keepdim=True).values
+        )
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 

@@ -20,7 +20,9 @@ EOS = 2
 
 def make_scheduler(num_blocks=64, budget=64, max_seqs=8, policy="fcfs", max_model_len=1000, chunked=True) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS)
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, policy=policy, enable_chunked_prefill=chunked)
+    config = SchedulerConfig(
+        max_num_batched_tokens=budget, max_num_seqs=max_seqs, policy=policy, enable_chunked_prefill=chunked
+    )
     return Scheduler(config, kv, max_model_len)
 
 

@@ -67,8 +67,15 @@ class FakeEngine:
         for request_id, state in list(self.requests.items()):
             state[0] += 1
             done = state[0] >= state[1]
-            outputs.append(EngineCoreOutput(request_id, 0, [state[0]], finish_reason=FinishReason.LENGTH if done else None,
-                                            stop_reason="|".join(self.log) if done else None))
+            outputs.append(
+                EngineCoreOutput(
+                    request_id,
+                    0,
+                    [state[0]],
+                    finish_reason=FinishReason.LENGTH if done else None,
+                    stop_reason="|".join(self.log) if done else None,
+                )
+            )
             if done:
                 del self.requests[request_id]
         return outputs

@@ -22,7 +22,7 @@ def stream(detok: IncrementalDetokenizer, token_ids: list[int], per_update: int 
     deltas: list[str] = []
     stop = None
     for start in range(0, len(token_ids), per_update):
-        chunk = token_ids[start:start + per_update]
+        chunk = token_ids[start : start + per_update]
         last = start + per_update >= len(token_ids)
         stop = detok.update(chunk, stop_terminated and last)
         finished = stop is not None or last

@@ -26,9 +26,18 @@ EOS = 3
 @pytest.fixture(scope="module")
 def tiny_model():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         bos_token_id=None, eos_token_id=EOS, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=None,
+        eos_token_id=EOS,
+        pad_token_id=None,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -40,7 +49,9 @@ def _client(config: EngineConfig, model=None, eos_token_ids=None) -> ThreadedEng
     return ThreadedEngineCoreClient(HFEngine(config, model=model, eos_token_ids=eos_token_ids))
 
 
-async def _collect(client: EngineCoreClient, requests: list[EngineCoreRequest], on_output=None) -> list[EngineCoreOutput]:
+async def _collect(
+    client: EngineCoreClient, requests: list[EngineCoreRequest], on_output=None
+) -> list[EngineCoreOutput]:
     """Submit all requests, gather outputs until every sample finished (or on_output says stop)."""
     for request in requests:
         await client.add_request(request)
@@ -74,15 +85,26 @@ def _tokens(outputs: list[EngineCoreOutput], request_id: str, index: int = 0) ->
 
 def _greedy_reference(model, prompt: list[int], num_tokens: int) -> list[int]:
     with torch.inference_mode():
-        generated = model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0, min_new_tokens=num_tokens)
-    return generated[0, len(prompt):].tolist()
+        generated = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=num_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            min_new_tokens=num_tokens,
+        )
+    return generated[0, len(prompt) :].tolist()
 
 
 def test_greedy_matches_transformers_generate_and_runs_one_at_a_time(tiny_model):
     prompts = {"a": [5, 9, 17, 33, 2, 8], "b": [40, 41, 42]}
-    _, outputs = _run(tiny_model, lambda c: _collect(c, [
-        _request(rid, prompt, temperature=0.0, max_tokens=12, ignore_eos=True) for rid, prompt in prompts.items()]))
+    _, outputs = _run(
+        tiny_model,
+        lambda c: _collect(
+            c,
+            [_request(rid, prompt, temperature=0.0, max_tokens=12, ignore_eos=True) for rid, prompt in prompts.items()],
+        ),
+    )
     for rid, prompt in prompts.items():
         assert _tokens(outputs, rid) == _greedy_reference(tiny_model, prompt, 12)
     order = [o.request_id for o in outputs]
@@ -100,11 +122,14 @@ def test_stop_token_ids_eos_and_max_model_len(tiny_model):
     first_stop = reference.index(stop_id)
 
     async def scenario(client):
-        outputs = await _collect(client, [
-            _request("stop", prompt, temperature=0.0, max_tokens=10, stop_token_ids=[stop_id]),
-            _request("eos", prompt, temperature=0.0, max_tokens=10, ignore_eos=True, min_tokens=2),
-            _request("long", prompt, temperature=0.0, max_tokens=100, ignore_eos=True),
-        ])
+        outputs = await _collect(
+            client,
+            [
+                _request("stop", prompt, temperature=0.0, max_tokens=10, stop_token_ids=[stop_id]),
+                _request("eos", prompt, temperature=0.0, max_tokens=10, ignore_eos=True, min_tokens=2),
+                _request("long", prompt, temperature=0.0, max_tokens=100, ignore_eos=True),
+            ],
+        )
         return outputs
 
     _, outputs = _run(tiny_model, scenario)
@@ -124,8 +149,13 @@ def test_eos_stops_unless_ignored(tiny_model):
         client = _client(EngineConfig(), model=tiny_model, eos_token_ids=(eos,))
         await client.start()
         try:
-            return await _collect(client, [_request("x", prompt, temperature=0.0, max_tokens=6),
-                                           _request("y", prompt, temperature=0.0, max_tokens=6, ignore_eos=True)])
+            return await _collect(
+                client,
+                [
+                    _request("x", prompt, temperature=0.0, max_tokens=6),
+                    _request("y", prompt, temperature=0.0, max_tokens=6, ignore_eos=True),
+                ],
+            )
         finally:
             await client.shutdown()
 
@@ -146,16 +176,20 @@ def test_abort_and_stop_samples(tiny_model):
                 return {("sampled", 0)}
             return set()
 
-        outputs = await _collect(client, [
-            _request("victim", [1, 2, 3], temperature=0.0, max_tokens=40, ignore_eos=True),
-            _request("queued", [4, 5, 6], temperature=0.0, max_tokens=5, ignore_eos=True),
-            _request("sampled", [7, 8], temperature=1.0, seed=5, n=2, max_tokens=6, ignore_eos=True),
-            _request("after", [9, 10], temperature=0.0, max_tokens=4, ignore_eos=True),
-        ], on_output)
+        outputs = await _collect(
+            client,
+            [
+                _request("victim", [1, 2, 3], temperature=0.0, max_tokens=40, ignore_eos=True),
+                _request("queued", [4, 5, 6], temperature=0.0, max_tokens=5, ignore_eos=True),
+                _request("sampled", [7, 8], temperature=1.0, seed=5, n=2, max_tokens=6, ignore_eos=True),
+                _request("after", [9, 10], temperature=0.0, max_tokens=4, ignore_eos=True),
+            ],
+            on_output,
+        )
         await asyncio.sleep(0.2)
         try:  # whatever the core produced after the last awaited output
             outputs += await asyncio.wait_for(client.get_outputs(), timeout=0.5)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return outputs, client.get_stats()
 
@@ -170,11 +204,18 @@ def test_sampling_is_seeded_and_logprobs(tiny_model):
     prompt = [11, 12, 13, 14]
 
     async def scenario(client):
-        return await _collect(client, [
-            _request("s1", prompt, temperature=0.8, top_p=0.9, top_k=20, seed=7, n=2, max_tokens=8, ignore_eos=True),
-            _request("s2", prompt, temperature=0.8, top_p=0.9, top_k=20, seed=7, n=2, max_tokens=8, ignore_eos=True),
-            _request("lp", prompt, temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=1),
-        ])
+        return await _collect(
+            client,
+            [
+                _request(
+                    "s1", prompt, temperature=0.8, top_p=0.9, top_k=20, seed=7, n=2, max_tokens=8, ignore_eos=True
+                ),
+                _request(
+                    "s2", prompt, temperature=0.8, top_p=0.9, top_k=20, seed=7, n=2, max_tokens=8, ignore_eos=True
+                ),
+                _request("lp", prompt, temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+            ],
+        )
 
     _, outputs = _run(tiny_model, scenario)
     assert _tokens(outputs, "s1", 0) == _tokens(outputs, "s2", 0)
@@ -191,8 +232,12 @@ def test_validation(tiny_model):
         info = client.model_info
         limits = ModelLimits(info.max_model_len, info.vocab_size, client.engine.config.max_logprobs)
         errors = []
-        for request in (_request("e", []), _request("l", list(range(1, 65))), _request("v", [500]),
-                        _request("p", [1], logprobs=50)):
+        for request in (
+            _request("e", []),
+            _request("l", list(range(1, 65))),
+            _request("v", [500]),
+            _request("p", [1], logprobs=50),
+        ):
             with pytest.raises(ValueError) as info:
                 limits.check_request(request.prompt_token_ids, request.sampling_params)
             errors.append(str(info.value))
@@ -224,9 +269,14 @@ def test_default_model_matches_transformers_generate():
     engine = client.engine
     assert engine.model.dtype == torch.float32 and engine.eos_token_ids == (tokenizer.eos_token_id,)
     with torch.inference_mode():
-        generated = engine.model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                                          eos_token_id=list(engine.eos_token_ids), pad_token_id=0)
-    expected = generated[0, len(prompt):].tolist()
+        generated = engine.model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=list(engine.eos_token_ids),
+            pad_token_id=0,
+        )
+    expected = generated[0, len(prompt) :].tolist()
     tokens = _tokens(outputs, "r")
     assert tokens == expected
     assert "Rome" in tokenizer.decode(tokens)

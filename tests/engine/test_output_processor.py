@@ -79,7 +79,9 @@ def test_stop_string_stops_sample_and_is_reported(tokenizer):
     assert last.finished
     assert last.outputs[0].finish_reason is FinishReason.STOP and last.outputs[0].stop_reason == "STOP"
     # tokens arriving after the stop (the engine had not heard yet) are ignored
-    assert all(not p.request_outputs for p in results[results.index(next(p for p in results if p.samples_to_stop)) + 1:])
+    assert all(
+        not p.request_outputs for p in results[results.index(next(p for p in results if p.samples_to_stop)) + 1 :]
+    )
 
 
 def test_n_samples_each_finish_once(tokenizer):
@@ -145,8 +147,9 @@ def test_finished_stats_split_the_request_into_vllms_phases(tokenizer):
     arrival = time.monotonic() - 2.0
     processor.add_request("r", None, [1, 2], SamplingParams(n=2), arrival, cumulative=False)
     tok = tokenizer.encode("x")[0]
-    processor.process_outputs([EngineCoreOutput("r", 0, [tok], first_scheduled_time=arrival + 0.5),
-                               EngineCoreOutput("r", 1, [tok])])
+    processor.process_outputs(
+        [EngineCoreOutput("r", 0, [tok], first_scheduled_time=arrival + 0.5), EngineCoreOutput("r", 1, [tok])]
+    )
     for _ in range(3):  # the second sample runs longer: 4 tokens against 2
         time.sleep(0.01)
         processor.process_outputs([EngineCoreOutput("r", 1, [tok])])

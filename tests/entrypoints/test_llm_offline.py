@@ -19,7 +19,6 @@ def llm() -> LLM:
     return LLM(dtype="float32", kv_cache_memory="256MiB", device="cpu")
 
 
-
 def test_generate_returns_text_tokens_and_timing(llm):
     (out,) = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=8))
     sample = out.outputs[0]
@@ -49,7 +48,9 @@ def test_stop_string_is_honoured_and_not_included(llm):
     stopped = llm.generate("Count from one to ten: one, two,", greedy.clone(stop=["five"]))[0].outputs[0]
     assert stopped.finish_reason == FinishReason.STOP and stopped.stop_reason == "five"
     assert "five" not in stopped.text and full.startswith(stopped.text)
-    kept = llm.generate("Count from one to ten: one, two,", greedy.clone(stop=["five"], include_stop_str_in_output=True))[0]
+    kept = llm.generate(
+        "Count from one to ten: one, two,", greedy.clone(stop=["five"], include_stop_str_in_output=True)
+    )[0]
     assert kept.outputs[0].text.endswith("five")
     assert_no_leak(llm)
 

@@ -10,7 +10,12 @@ import sys
 import pytest
 
 from pagedserve.entrypoints import malloc_env
-from pagedserve.entrypoints.malloc_env import OPT_OUT, TUNABLE, environ_with_huge_page_malloc, transparent_huge_pages_enabled
+from pagedserve.entrypoints.malloc_env import (
+    OPT_OUT,
+    TUNABLE,
+    environ_with_huge_page_malloc,
+    transparent_huge_pages_enabled,
+)
 from tests.utils import RemoteServer
 
 linux_glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
@@ -18,8 +23,12 @@ linux_glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "gl
 
 def test_thp_mode_file_parsing(tmp_path):
     mode = tmp_path / "enabled"
-    for text, expected in (("always [madvise] never\n", True), ("[always] madvise never\n", True),
-                           ("always madvise [never]\n", False), ("", False)):
+    for text, expected in (
+        ("always [madvise] never\n", True),
+        ("[always] madvise never\n", True),
+        ("always madvise [never]\n", False),
+        ("", False),
+    ):
         mode.write_text(text)
         assert transparent_huge_pages_enabled(str(mode)) is expected, text
     assert transparent_huge_pages_enabled(str(tmp_path / "missing")) is False

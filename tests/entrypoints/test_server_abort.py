@@ -28,8 +28,10 @@ def wait_idle(server, deadline_s: float = 120.0) -> dict[str, float]:
     end = time.monotonic() + deadline_s
     while True:
         values = metrics(server)
-        idle = (values[f"pagedserve:num_requests_running{LABEL}"] == 0
-                and values[f"pagedserve:num_requests_waiting{LABEL}"] == 0)
+        idle = (
+            values[f"pagedserve:num_requests_running{LABEL}"] == 0
+            and values[f"pagedserve:num_requests_waiting{LABEL}"] == 0
+        )
         if idle or time.monotonic() > end:
             return values
         time.sleep(0.2)
@@ -38,16 +40,26 @@ def wait_idle(server, deadline_s: float = 120.0) -> dict[str, float]:
 def test_metrics_names_and_counts(server, client):
     before = metrics(server)
     for _ in range(3):
-        client.completions.create(model=MODEL, prompt="Tell me about metrics", max_tokens=5, temperature=0,
-                                  extra_body={"ignore_eos": True})
+        client.completions.create(
+            model=MODEL, prompt="Tell me about metrics", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        )
     after = wait_idle(server)
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert f"pagedserve:{name}{LABEL}" in after
-    for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
-                 "prompt_tokens_total", "generation_tokens_total"):
+    for name in (
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "num_preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+    ):
         assert f"pagedserve:{name}{LABEL}" in after
-    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                 "request_queue_time_seconds"):
+    for name in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+    ):
         assert f"pagedserve:{name}_count{LABEL}" in after
     assert "process_resident_memory_bytes" in after
     info = [key for key in after if key.startswith("pagedserve:cache_config_info{")]
@@ -66,16 +78,23 @@ def test_metrics_names_and_counts(server, client):
     assert delta(f"pagedserve:inter_token_latency_seconds_count{LABEL}") == 3 * 4
     for name in ("queue_time", "prefill_time", "decode_time", "inference_time", "time_per_output_token"):
         assert delta(f"pagedserve:request_{name}_seconds_count{LABEL}") == 3
-    prefill, decode, inference = (delta(f"pagedserve:request_{phase}_time_seconds_sum{LABEL}")
-                                  for phase in ("prefill", "decode", "inference"))
+    prefill, decode, inference = (
+        delta(f"pagedserve:request_{phase}_time_seconds_sum{LABEL}") for phase in ("prefill", "decode", "inference")
+    )
     assert prefill > 0 and decode > 0 and inference == pytest.approx(prefill + decode)  # per request, summed
     assert inference <= delta(f"pagedserve:e2e_request_latency_seconds_sum{LABEL}")
     # one request at a time: a prefill step (the prompt) and 4 one-token decode steps each
     assert delta(f"pagedserve:iteration_tokens_total_count{LABEL}") == 3 * 5
-    assert delta(f"pagedserve:iteration_tokens_total_sum{LABEL}") == delta(f"pagedserve:prompt_tokens_total{LABEL}") + 3 * 4
+    assert (
+        delta(f"pagedserve:iteration_tokens_total_sum{LABEL}")
+        == delta(f"pagedserve:prompt_tokens_total{LABEL}") + 3 * 4
+    )
     assert delta(f'pagedserve:iteration_tokens_total_bucket{{le="1.0",model_name="{MODEL}"}}') == 3 * 4
     assert delta(f"pagedserve:prompt_tokens_total{LABEL}") > 0
-    busy, forward = delta(f"pagedserve:engine_busy_seconds_total{LABEL}"), delta(f"pagedserve:model_forward_seconds_total{LABEL}")
+    busy, forward = (
+        delta(f"pagedserve:engine_busy_seconds_total{LABEL}"),
+        delta(f"pagedserve:model_forward_seconds_total{LABEL}"),
+    )
     assert 0 < forward <= busy  # the forward is part of the busy time, never more
     forward_cpu = delta(f"pagedserve:model_forward_cpu_seconds_total{LABEL}")
     assert 0 < forward_cpu <= delta(f"pagedserve:engine_core_cpu_seconds_total{LABEL}")  # CPU of the core's process
@@ -93,8 +112,7 @@ def test_streaming_disconnects_free_everything(server):
         messages = [{"role": "user", "content": f"Write a very long story number {i}."}]
 
         async def consume() -> str:
-            stream = await client.chat.completions.create(model=MODEL, messages=messages, stream=True,
-                                                          extra_body=LONG)
+            stream = await client.chat.completions.create(model=MODEL, messages=messages, stream=True, extra_body=LONG)
             async with stream:
                 chunks = 0
                 async for _ in stream:
@@ -105,7 +123,7 @@ def test_streaming_disconnects_free_everything(server):
 
         try:
             return await asyncio.wait_for(consume(), timeout=1.0 + (i % 5) * 0.2)
-        except (asyncio.TimeoutError, openai.APITimeoutError):
+        except (TimeoutError, openai.APITimeoutError):
             return "cancelled"
 
     async def run() -> list[str]:
@@ -136,8 +154,9 @@ def test_non_streaming_disconnect_aborts(server):
         with pytest.raises(httpx.TimeoutException):
             server.post("/v1/completions", json=body, timeout=0.5)
         with pytest.raises(httpx.TimeoutException):
-            server.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Go on"}], **LONG},
-                        timeout=0.5)
+            server.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Go on"}], **LONG}, timeout=0.5
+            )
     values = wait_idle(server)
     assert values[f"pagedserve:num_requests_running{LABEL}"] == 0
     assert values[f"pagedserve:kv_cache_usage_perc{LABEL}"] == 0.0

@@ -24,11 +24,30 @@ TIMEOUT_S = 8
 
 @pytest.fixture(scope="module")
 def limited():
-    args = ["--max-num-seqs", "2", "--max-queued-requests", "2", "--rate-limit", f"{RATE}/minute",
-            "--api-key", KEY_BURST, "--api-key", KEY_RATE, "--allowed-origins", f'["{ORIGIN}"]',
-            "--request-timeout", str(TIMEOUT_S), "--shutdown-timeout", "60",
-            "--engine-core", "thread",  # NOTE: the other servers run the default engine-core process
-            "--event-loop", "asyncio", "--http", "h11"]  # and the defaults: uvloop, httptools
+    args = [
+        "--max-num-seqs",
+        "2",
+        "--max-queued-requests",
+        "2",
+        "--rate-limit",
+        f"{RATE}/minute",
+        "--api-key",
+        KEY_BURST,
+        "--api-key",
+        KEY_RATE,
+        "--allowed-origins",
+        f'["{ORIGIN}"]',
+        "--request-timeout",
+        str(TIMEOUT_S),
+        "--shutdown-timeout",
+        "60",
+        "--engine-core",
+        "thread",  # NOTE: the other servers run the default engine-core process
+        "--event-loop",
+        "asyncio",
+        "--http",
+        "h11",
+    ]  # and the defaults: uvloop, httptools
     with RemoteServer(args, env={"PAGEDSERVE_API_KEY": KEY_ENV}) as remote:
         yield remote
 
@@ -65,13 +84,13 @@ def test_tgi_overload_shape(limited):
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
             body = {"inputs": "Hello", "parameters": {"max_new_tokens": 12}}
-            return await asyncio.gather(*(client.post(limited.url + "/generate", json=body, headers=auth(KEY_BURST))
-                                          for _ in range(8)))
+            return await asyncio.gather(
+                *(client.post(limited.url + "/generate", json=body, headers=auth(KEY_BURST)) for _ in range(8))
+            )
 
     responses = asyncio.run(run())
     rejected = [r for r in responses if r.status_code == 429]
-    assert rejected and all(r.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
-                            for r in rejected)
+    assert rejected and all(r.json() == {"error": "Model is overloaded", "error_type": "overloaded"} for r in rejected)
     assert all(r.status_code in (200, 429) for r in responses)
 
 
@@ -101,13 +120,20 @@ def test_api_key_from_environment(limited):
 
 
 def test_cors(limited):
-    preflight = httpx.options(limited.base_url + "/chat/completions", headers={
-        "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization,content-type"})
+    preflight = httpx.options(
+        limited.base_url + "/chat/completions",
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
     assert preflight.status_code == 200
     assert preflight.headers["access-control-allow-origin"] == ORIGIN
-    other = httpx.options(limited.base_url + "/chat/completions", headers={
-        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    other = httpx.options(
+        limited.base_url + "/chat/completions",
+        headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+    )
     assert "access-control-allow-origin" not in other.headers
 
 
@@ -131,8 +157,13 @@ def test_sigterm_drains_in_flight_then_exits_cleanly(limited):
     def stream_one():
         client = openai.OpenAI(base_url=limited.base_url, api_key=KEY_ENV, max_retries=0, timeout=120)
         text, finishes = "", []
-        for chunk in client.completions.create(model=MODEL, prompt="Slowly count:", max_tokens=40, stream=True,
-                                               extra_body={"ignore_eos": True, "min_tokens": 40}):
+        for chunk in client.completions.create(
+            model=MODEL,
+            prompt="Slowly count:",
+            max_tokens=40,
+            stream=True,
+            extra_body={"ignore_eos": True, "min_tokens": 40},
+        ):
             text += chunk.choices[0].text if chunk.choices else ""
             if chunk.choices and chunk.choices[0].finish_reason:
                 finishes.append(chunk.choices[0].finish_reason)
@@ -147,8 +178,9 @@ def test_sigterm_drains_in_flight_then_exits_cleanly(limited):
     refused = None
     for _ in range(50):
         try:
-            refused = limited.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=auth(KEY_ENV),
-                                   timeout=10)
+            refused = limited.post(
+                "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=auth(KEY_ENV), timeout=10
+            )
         except httpx.HTTPError:
             break  # the listener is already closed: also a refusal
         if refused.status_code == 503:

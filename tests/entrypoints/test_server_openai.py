@@ -100,8 +100,9 @@ def test_chat_stream_equals_non_stream_with_usage(client, tokenizer, server):
 
 def test_raw_sse_format(server):
     body = {"messages": CHAT, "max_tokens": 5, "temperature": 0, "stream": True}
-    with httpx.stream("POST", server.base_url + "/chat/completions", json=body, headers=server.headers(),
-                      timeout=60) as response:
+    with httpx.stream(
+        "POST", server.base_url + "/chat/completions", json=body, headers=server.headers(), timeout=60
+    ) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         raw = "".join(response.iter_text())
     events = raw.split("\n\n")
@@ -139,45 +140,59 @@ def test_stop_string_across_tokens_never_leaks(client, tokenizer):
     pieces = [tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
     start_token = len(ids) // 2
     start = len(pieces[start_token]) - 1
-    stop = text[start:start + 6]
+    stop = text[start : start + 6]
     assert len(stop) == 6 and not any(stop in tokenizer.decode([t]) for t in ids)
     expected = text[: text.index(stop)]
-    full = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=40, temperature=0,
-                                     stop=[stop])
+    full = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop]
+    )
     assert full.choices[0].text == expected
     assert full.choices[0].finish_reason == "stop"
     assert full.choices[0].model_extra["stop_reason"] == stop
-    texts, finishes, chunks = stream_completion_text(client, model="SmolLM2-135M-Instruct", prompt=PROMPT,
-                                                     max_tokens=40, temperature=0, stop=[stop])
+    texts, finishes, chunks = stream_completion_text(
+        client, model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop]
+    )
     # streamed text only grows, so ending exactly at `expected` means no part of the stop string was sent
     assert texts == {0: expected} and finishes == {0: ["stop"]}
-    included = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=40,
-                                         temperature=0, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    included = client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt=PROMPT,
+        max_tokens=40,
+        temperature=0,
+        stop=[stop],
+        extra_body={"include_stop_str_in_output": True},
+    )
     assert included.choices[0].text == expected + stop
 
 
 def test_chat_stop_string(client):
-    base = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=30,
-                                          temperature=0).choices[0].message.content
+    base = (
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=30, temperature=0)
+        .choices[0]
+        .message.content
+    )
     words = base.split()
     assert len(words) > 4
     stop = words[3]
-    result = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=30,
-                                            temperature=0, stop=stop)
+    result = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=30, temperature=0, stop=stop
+    )
     assert stop not in result.choices[0].message.content
     assert base.startswith(result.choices[0].message.content)
     assert result.choices[0].finish_reason == "stop"
 
 
 def test_completion_logprobs_and_echo(client, tokenizer):
-    result = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=6, temperature=0,
-                                       logprobs=3)
+    result = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3
+    )
     lp = result.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     assert all(x <= 0.0 for x in lp.token_logprobs)
     assert all(1 <= len(top) <= 4 for top in lp.top_logprobs)
-    echoed = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=3, temperature=0,
-                                       logprobs=1, echo=True)
+    echoed = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1, echo=True
+    )
     choice = echoed.choices[0]
     num_prompt = len(tokenizer.encode(PROMPT))
     assert choice.text.startswith(PROMPT)
@@ -187,59 +202,88 @@ def test_completion_logprobs_and_echo(client, tokenizer):
 
 
 def test_chat_logprobs(client):
-    result = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=5,
-                                            temperature=0, logprobs=True, top_logprobs=2)
+    result = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = result.choices[0].logprobs.content
     assert len(content) == result.usage.completion_tokens
     for entry in content:
         assert entry.logprob <= 0.0 and len(entry.top_logprobs) == 2
         assert entry.bytes == list(entry.token.encode("utf-8"))
-    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, max_tokens=5,
-                                            temperature=0, logprobs=True, top_logprobs=1, stream=True)
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=CHAT,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+        stream=True,
+    )
     streamed = [e for chunk in stream for c in chunk.choices if c.logprobs for e in c.logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]
 
 
 def test_sampling_extras(client, tokenizer):
-    seeded = [client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=12, seed=1234,
-                                        temperature=1.0).choices[0].text for _ in range(2)]
+    seeded = [
+        client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=12, seed=1234, temperature=1.0
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]
     forced = tokenizer.encode(" banana")[0]
-    biased = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=3, temperature=0,
-                                       logit_bias={str(forced): 100})
+    biased = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={str(forced): 100}
+    )
     assert tokenizer.decode([forced]) in biased.choices[0].text
-    long = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=20, temperature=0,
-                                     extra_body={"min_tokens": 20, "ignore_eos": True, "top_k": 5, "min_p": 0.05,
-                                                 "repetition_penalty": 1.1})
+    long = client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt=PROMPT,
+        max_tokens=20,
+        temperature=0,
+        extra_body={"min_tokens": 20, "ignore_eos": True, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1},
+    )
     assert long.usage.completion_tokens == 20
-    chat = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, max_completion_tokens=3,
-                                          temperature=0)
+    chat = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=CHAT, max_completion_tokens=3, temperature=0
+    )
     assert chat.usage.completion_tokens <= 3
     greedy = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=8, temperature=0)
     ids = tokenizer.encode(greedy.choices[0].text)
-    stopped = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=8, temperature=0,
-                                        extra_body={"stop_token_ids": [ids[2]]})
+    stopped = client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"stop_token_ids": [ids[2]]},
+    )
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].model_extra["stop_reason"] == ids[2]
 
 
 def test_default_max_tokens(client):
-    completion = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    completion = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert completion.usage.completion_tokens == 16
 
 
 def test_multiple_prompts_and_token_prompts(client, tokenizer):
     ids = tokenizer.encode("Once upon a time")
-    result = client.completions.create(model="SmolLM2-135M-Instruct", prompt=[PROMPT, "Hello"], max_tokens=4,
-                                       temperature=0, n=2)
+    result = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=[PROMPT, "Hello"], max_tokens=4, temperature=0, n=2
+    )
     assert sorted(c.index for c in result.choices) == [0, 1, 2, 3]
     by_tokens = client.completions.create(model="SmolLM2-135M-Instruct", prompt=ids, max_tokens=4, temperature=0)
-    by_text = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=4,
-                                        temperature=0)
+    by_text = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=4, temperature=0
+    )
     assert by_tokens.choices[0].text == by_text.choices[0].text
-    texts, finishes, _ = stream_completion_text(client, model="SmolLM2-135M-Instruct", prompt=[PROMPT, "Hi"],
-                                                max_tokens=3, temperature=0)
+    texts, finishes, _ = stream_completion_text(
+        client, model="SmolLM2-135M-Instruct", prompt=[PROMPT, "Hi"], max_tokens=3, temperature=0
+    )
     assert sorted(texts) == [0, 1] and finishes == {0: ["length"], 1: ["length"]}
 
 
@@ -258,8 +302,12 @@ def test_tokenize_detokenize(server, tokenizer):
 def test_many_concurrent_streams_complete(server):
     async def one(client, i):
         stream = await client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": f"Count to {i}."}],
-            max_tokens=16, temperature=0, stream=True)
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": f"Count to {i}."}],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+        )
         finishes = [c.choices[0].finish_reason async for c in stream if c.choices and c.choices[0].finish_reason]
         return finishes
 

@@ -56,8 +56,7 @@ def test_decoder_input_details_top_tokens_and_sampling(tgi, tokenizer):
     assert [t.id for t in prefill] == tokenizer.encode(PROMPT)
     assert prefill[0].logprob is None and all(t.logprob is not None for t in prefill[1:])
     assert len(response.details.top_tokens) == 4 and all(len(top) == 3 for top in response.details.top_tokens)
-    sampled = tgi.generate(PROMPT, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
-                           seed=42)
+    sampled = tgi.generate(PROMPT, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=42)
     again = tgi.generate(PROMPT, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=42)
     assert sampled.generated_text == again.generated_text and sampled.details.seed == 42
     best = tgi.generate(PROMPT, max_new_tokens=6, do_sample=True, best_of=2)
@@ -77,8 +76,9 @@ def test_generate_route_and_info(server):
 
 def test_raw_stream_has_no_done_marker(server):
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}
-    with httpx.stream("POST", server.url + "/generate_stream", json=body, headers=server.headers(),
-                      timeout=60) as response:
+    with httpx.stream(
+        "POST", server.url + "/generate_stream", json=body, headers=server.headers(), timeout=60
+    ) as response:
         raw = "".join(response.iter_text())
     events = [e for e in raw.split("\n\n") if e]
     assert len(events) == 3 and all(e.startswith("data:{") for e in events)

@@ -21,13 +21,23 @@ TEXTS = [
 
 
 def completion_chunk(text: str) -> dict:
-    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
-            "choices": [{"index": 2, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}]}
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 2, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}],
+    }
 
 
 def chat_chunk(text: str) -> dict:
-    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m \"q\" é",
-            "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}]}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": 'm "q" é',
+        "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}],
+    }
 
 
 @pytest.mark.parametrize("make_chunk", [completion_chunk, chat_chunk])
@@ -37,7 +47,7 @@ def test_template_renders_the_same_event(make_chunk, text):
     event = template.render(text)
     assert event == sse(make_chunk(text))
     assert event.startswith("data: ") and event.endswith("\n\n")
-    assert json.loads(event[len("data: "):]) == make_chunk(text)
+    assert json.loads(event[len("data: ") :]) == make_chunk(text)
 
 
 def test_template_needs_the_mark_exactly_once():

@@ -35,13 +35,17 @@ def test_chunked_prefill_and_decode_through_block_tables_match_dense_attention()
     table_a, table_b = [3, 5], [1, 7]  # scattered, non-contiguous blocks
     # step 1: the first 5 tokens of a, the first 6 of b
     meta = build_attention_metadata([0, 0], [5, 6], [table_a, table_b], BS)
-    out = paged_attention(torch.cat([qa[:5], qb[:6]]), torch.cat([ka[:5], kb[:6]]), torch.cat([va[:5], vb[:6]]), cache, meta, DIM**-0.5)
+    out = paged_attention(
+        torch.cat([qa[:5], qb[:6]]), torch.cat([ka[:5], kb[:6]]), torch.cat([va[:5], vb[:6]]), cache, meta, DIM**-0.5
+    )
     torch.testing.assert_close(out[:5], causal_reference(qa, ka, va)[:5])
     torch.testing.assert_close(out[5:], causal_reference(qb[:6], kb[:6], vb[:6]))
     # step 2: b decodes one token (first), a prefills its last 3 tokens over its cached 5
     meta = build_attention_metadata([6, 5], [1, 3], [table_b, table_a], BS)
     assert meta.num_decodes == 1
-    out = paged_attention(torch.cat([qb[6:], qa[5:]]), torch.cat([kb[6:], ka[5:]]), torch.cat([vb[6:], va[5:]]), cache, meta, DIM**-0.5)
+    out = paged_attention(
+        torch.cat([qb[6:], qa[5:]]), torch.cat([kb[6:], ka[5:]]), torch.cat([vb[6:], va[5:]]), cache, meta, DIM**-0.5
+    )
     torch.testing.assert_close(out[1:], causal_reference(qa, ka, va)[5:])
     torch.testing.assert_close(out[0], causal_reference(qb, kb, vb)[6])
 
@@ -81,10 +85,13 @@ def test_cpu_cache_write_matches_reference_on_qkv_views(dtype):
     torch.manual_seed(0)
     kv_heads, dim, tokens = 3, 64, 7
     qkv = torch.randn(tokens, (9 + 2 * kv_heads) * dim).to(dtype)  # k and v are strided views into it
-    key = qkv[:, 9 * dim:(9 + kv_heads) * dim].view(tokens, kv_heads, dim)
-    value = qkv[:, (9 + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    key = qkv[:, 9 * dim : (9 + kv_heads) * dim].view(tokens, kv_heads, dim)
+    value = qkv[:, (9 + kv_heads) * dim :].view(tokens, kv_heads, dim)
     slots = torch.tensor([5, 0, 63, 17, 18, 40, 2])
-    expected, cache = torch.zeros(2, 4, 16, kv_heads, dim, dtype=dtype), torch.zeros(2, 4, 16, kv_heads, dim, dtype=dtype)
+    expected, cache = (
+        torch.zeros(2, 4, 16, kv_heads, dim, dtype=dtype),
+        torch.zeros(2, 4, 16, kv_heads, dim, dtype=dtype),
+    )
     write_kv(expected, key, value, slots)
     kernels.write_kv_cache_(cache, key, value, slots)
     assert torch.equal(cache, expected)
@@ -164,7 +171,9 @@ def test_mixed_step_with_the_prefill_kernel_matches_the_pytorch_path():
     q = torch.randn(total, heads, head_dim).to(torch.bfloat16)
     k, v = torch.randn(2, total, kv_heads, head_dim).to(torch.bfloat16)
     computed = [length - new for length, new in zip(lens, num_new)]
-    reference = paged_attention(q, k, v, cache.clone(), build_attention_metadata(computed, num_new, tables, block_size), 0.125)
+    reference = paged_attention(
+        q, k, v, cache.clone(), build_attention_metadata(computed, num_new, tables, block_size), 0.125
+    )
     meta = build_attention_metadata(computed, num_new, tables, block_size, kernels=kernels)
     assert meta.num_decodes == 2
     out = paged_attention(q, k, v, cache.clone(), meta, 0.125)
@@ -186,6 +195,8 @@ def test_prefill_kernel_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match="query_start_loc"):
         kernels.paged_prefill_attention(q, cache, table, torch.tensor([8]), torch.tensor([0, 3]), 0.125)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        kernels.paged_prefill_attention(q, torch.zeros(2, 8, 8, 3, 64, dtype=torch.bfloat16), table, torch.tensor([8]), starts, 0.125)
+        kernels.paged_prefill_attention(
+            q, torch.zeros(2, 8, 8, 3, 64, dtype=torch.bfloat16), table, torch.tensor([8]), starts, 0.125
+        )
     with pytest.raises(RuntimeError, match="bfloat16"):
         kernels.paged_prefill_attention(q.float(), cache, table, torch.tensor([8]), starts, 0.125)

@@ -41,12 +41,12 @@ def test_rotary_in_place_on_a_qkv_view(kernels, head_dim):
     rope = RotaryEmbedding(head_dim, 4096, 10000.0, dtype=BF16)
     cos, sin = rope(torch.randint(0, 4096, (tokens,)))
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(BF16)
-    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
     ref = apply_rotary_emb(qk, cos, sin)
     kernels.rotary_embedding_(qk, cos, sin)
     assert_close(qk.contiguous(), ref)
-    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
 
 
 @pytest.mark.parametrize("rows, inter", [(1, 1536), (5, 24), (33, 100)])

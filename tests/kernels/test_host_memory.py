@@ -45,7 +45,9 @@ def test_small_buffers_are_left_alone():
     assert not advise_huge_pages(torch.empty(HUGE_PAGE_BYTES // 8, dtype=torch.uint8))
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not THP_MODE.exists()
-                    or "[never]" in THP_MODE.read_text(), reason="no transparent huge pages here")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
+    reason="no transparent huge pages here",
+)
 def test_large_buffers_get_the_advice():
     assert advise_huge_pages(torch.empty(8 * HUGE_PAGE_BYTES, dtype=torch.uint8))

@@ -23,7 +23,9 @@ def assert_one_rounding_apart(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 7, 16, 31, 33, 64, 100, 192, 300])
-@pytest.mark.parametrize("out_features, in_features, bias", [(16, 32, False), (48, 64, True), (960, 576, False), (576, 1536, True)])
+@pytest.mark.parametrize(
+    "out_features, in_features, bias", [(16, 32, False), (48, 64, True), (960, 576, False), (576, 1536, True)]
+)
 def test_matches_f_linear(kernels, rows, out_features, in_features, bias):
     torch.manual_seed(rows * 7 + out_features)
     weight = (torch.randn(out_features, in_features) / in_features**0.5).to(BF16)

@@ -109,4 +109,3 @@ def test_shapes_and_dtypes_the_kernel_cannot_take_stay_on_onednn(kernels):
     fp32.weight.data.copy_(torch.randn(32, 64))
     fp32.pack_weight(batch_size_hint=8, release_original=False, vnni_kernels=kernels)
     assert fp32.vnni_weight is None and fp32.packed_weight is not None
-

@@ -26,7 +26,7 @@ PARAGRAPHS = [
 SHORT_PROMPTS = [
     "The capital of France is",
     "Write a haiku about the ocean.",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Question: What are three benefits of regular exercise?\nAnswer:",
 ]
 

@@ -77,7 +77,7 @@ def reference(prompt_ids) -> list[Reference]:
                 output_logits=True,
                 return_dict_in_generate=True,
             )
-            tokens = out.sequences[0, len(ids):].tolist()
+            tokens = out.sequences[0, len(ids) :].tolist()
             logprobs, gaps = [], []
             for step, token in enumerate(tokens):
                 lp = torch.log_softmax(out.logits[step][0].float(), dim=-1)
@@ -111,7 +111,8 @@ def check_against_reference(outputs, references, scenario: str) -> None:
                 )
                 warnings.warn(
                     f"{scenario}: prompt {number} diverges from transformers at token {step} on a near-tie "
-                    f"(top-2 logprob gap {ref.top2_gaps[step]:.1e} < {NEAR_TIE}); accepted as vLLM's check_logprobs_close does"
+                    f"(top-2 logprob gap {ref.top2_gaps[step]:.1e} < {NEAR_TIE}); accepted as vLLM's check_logprobs_close does",
+                    stacklevel=2,
                 )
                 break
             assert abs(sample.logprobs[step].logprob - ref.logprobs[step]) < LOGPROB_TOL, (
@@ -119,7 +120,6 @@ def check_against_reference(outputs, references, scenario: str) -> None:
             )
         else:
             assert ours == ref.token_ids, f"{scenario}: prompt {number} has a different length"
-
 
 
 def test_each_prompt_alone_then_on_a_prefix_cache_hit(loaded, prompt_ids, reference):

@@ -16,9 +16,9 @@ from transformers import LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qw
 from pagedserve.config import ModelConfig
 from pagedserve.kernels import load_cpu_kernels
 from pagedserve.models.attention import build_attention_metadata
-from pagedserve.tokenizer import load_tokenizer, request_eos_token_ids, tokenizer_path
 from pagedserve.models.loader import LoadedModel, load_model
 from pagedserve.models.registry import MODEL_REGISTRY, ModelLoadError
+from pagedserve.tokenizer import load_tokenizer, request_eos_token_ids, tokenizer_path
 from pagedserve.worker.cpu_fast_paths import can_pack_linear_weights, pack_linear_weights, use_fused_ops
 
 BLOCK_SIZE = 4
@@ -272,19 +272,29 @@ def test_amx_matmuls_give_the_same_logits(tiny, tmp_path):
     """With the C++ kernels on an AMX CPU every linear of the tiny model takes the AMX layout too,
     and the logits of a two-prompt prefill step stay those of the plain bf16 model."""
     kernels = load_cpu_kernels()
-    if kernels is None or not kernels.has_amx_linear() or not can_pack_linear_weights(torch.device("cpu"), torch.bfloat16):
+    if (
+        kernels is None
+        or not kernels.has_amx_linear()
+        or not can_pack_linear_weights(torch.device("cpu"), torch.bfloat16)
+    ):
         pytest.skip("no AMX bf16 tiles on this machine (or no compiler)")
     loaded = load_bf16(tiny[0], tmp_path)
     plain = two_prompt_step(loaded)
     assert pack_linear_weights(loaded.model, batch_size_hint=8, kernels=kernels) == 4 * loaded.num_layers + 1
-    assert loaded.model.lm_head.amx_weight is not None and loaded.model.model.layers[0].mlp.down_proj.amx_weight is not None
-    amx_weights = [module.amx_weight for module in loaded.model.modules() if getattr(module, "amx_weight", None) is not None]
+    assert (
+        loaded.model.lm_head.amx_weight is not None
+        and loaded.model.model.layers[0].mlp.down_proj.amx_weight is not None
+    )
+    amx_weights = [
+        module.amx_weight for module in loaded.model.modules() if getattr(module, "amx_weight", None) is not None
+    ]
     buffers = {weight.untyped_storage().data_ptr() for weight in amx_weights}
-    assert len(amx_weights) == 4 * loaded.num_layers + 1 and len(buffers) == 1  # one buffer, on huge pages where allowed
+    assert (
+        len(amx_weights) == 4 * loaded.num_layers + 1 and len(buffers) == 1
+    )  # one buffer, on huge pages where allowed
     amx = two_prompt_step(loaded)
     torch.testing.assert_close(amx, plain, atol=0.05, rtol=0.02)
     assert (amx.argmax(-1) == plain.argmax(-1)).float().mean() > 0.9
-
 
 
 def test_avx512_bf16_matmuls_give_the_same_logits(tiny, tmp_path):
@@ -303,6 +313,7 @@ def test_avx512_bf16_matmuls_give_the_same_logits(tiny, tmp_path):
     out = two_prompt_step(loaded)
     torch.testing.assert_close(out, plain, atol=0.05, rtol=0.02)
     assert (out.argmax(-1) == plain.argmax(-1)).float().mean() > 0.9
+
 
 def test_eos_ids_and_generation_config(tmp_path):
     config = CONFIGS["llama"]()

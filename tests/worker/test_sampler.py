@@ -54,7 +54,9 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     logits = torch.randn(3, VOCAB)
 
     def seeded():
-        return SamplingRow(SamplingParams(temperature=1.0, top_p=0.8, seed=5), torch.Generator().manual_seed(5), [], [], (0,))
+        return SamplingRow(
+            SamplingParams(temperature=1.0, top_p=0.8, seed=5), torch.Generator().manual_seed(5), [], [], (0,)
+        )
 
     alone, _ = sampler(logits[:1].clone(), [seeded()])
     batched, _ = sampler(logits.clone(), [seeded(), row(temperature=1.0), row(temperature=0.5, top_k=3)])

@@ -5,14 +5,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.entrypoints.openai.protocol import CHAT_ROLES, ChatMessage
+from pagedserve.entrypoints.openai.protocol import CHAT_ROLES, ChatCompletionRequest, ChatMessage, TokenizeChatRequest
 from pagedserve.entrypoints.serving.errors import bad_request
 from pagedserve.entrypoints.serving.tokenization import check_text
 
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
-    "chat_template", "tokenize", "return_dict", "return_tensors", "tokenizer", "padding", "truncation",
-})
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "tokenizer",
+        "padding",
+        "truncation",
+    }
+)
 
 
 class ChatTemplate:
@@ -22,6 +35,17 @@ class ChatTemplate:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+
+    def render(self, request: ChatCompletionRequest | TokenizeChatRequest, documents: list[Any] | None = None) -> str:
+        """``apply`` with the template fields of a chat or chat-tokenize request."""
+        return self.apply(
+            request.messages,
+            request.add_generation_prompt,
+            request.continue_final_message,
+            request.chat_template,
+            request.chat_template_kwargs,
+            documents,
+        )
 
     def apply(
         self,
@@ -35,8 +59,10 @@ class ChatTemplate:
         if chat_template is not None:
             raise bad_request("Request-supplied chat templates are not allowed on this server.", "chat_template")
         if continue_final_message and add_generation_prompt:
-            raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                              "continue_final_message")
+            raise bad_request(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "continue_final_message",
+            )
         if not messages:
             raise bad_request("messages must contain at least one message.", "messages")
         if self.tokenizer.chat_template is None:
@@ -47,8 +73,11 @@ class ChatTemplate:
         conversation = [_message_dict(i, m) for i, m in enumerate(messages)]
         try:
             return self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **kwargs,
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **kwargs,
             )
         except Exception as exc:  # jinja2 TemplateError, ValueError from transformers
             raise bad_request(f"Cannot apply the chat template to these messages: {exc}", "messages") from exc
@@ -60,8 +89,9 @@ def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
         if key in _RESERVED_TEMPLATE_KWARGS or key.startswith("_"):
             raise bad_request(f"chat_template_kwargs may not set {key!r}.", "chat_template_kwargs")
         if not isinstance(value, (str, int, float, bool)) and value is not None:
-            raise bad_request(f"chat_template_kwargs[{key!r}] must be a string, number or boolean.",
-                              "chat_template_kwargs")
+            raise bad_request(
+                f"chat_template_kwargs[{key!r}] must be a string, number or boolean.", "chat_template_kwargs"
+            )
         result[key] = value
     return result
 
@@ -74,8 +104,10 @@ def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
         texts = []
         for part in content:
             if part.type != "text" or part.text is None:
-                raise bad_request(f"messages[{index}].content: only text content parts are supported, "
-                                  f"got type {part.type!r}.", f"messages[{index}].content")
+                raise bad_request(
+                    f"messages[{index}].content: only text content parts are supported, got type {part.type!r}.",
+                    f"messages[{index}].content",
+                )
             texts.append(part.text)
         content = "\n".join(texts)
     if content is None:

@@ -17,8 +17,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None)
     return result
 
 
-def completion_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprob | None] | None,
-                        num_top: int, text_offset: int) -> dict:
+def completion_logprobs(
+    texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprob | None] | None, num_top: int, text_offset: int
+) -> dict:
     """The legacy completions shape: parallel lists of tokens, offsets, logprobs and top logprobs."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     logprobs = logprobs or []
@@ -36,31 +37,35 @@ def completion_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[
         top = {texts.text(t): clamp_logprob(lp) for t, lp in entry.top[:num_top]} if num_top else {}
         top.setdefault(text, clamp_logprob(entry.logprob))
         top_logprobs.append(top)
-    return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens,
-            "top_logprobs": top_logprobs}
+    return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top_logprobs}
 
 
-def chat_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprob] | None,
-                  num_top: int) -> dict:
+def chat_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprob] | None, num_top: int) -> dict:
     """The chat shape: one entry per token with its bytes and its top alternatives."""
     content = []
     for token_id, entry in zip(token_ids, logprobs or []):
         text = texts.text(token_id)
-        content.append({
-            "token": text,
-            "logprob": clamp_logprob(entry.logprob),
-            "bytes": list(text.encode("utf-8", errors="replace")),
-            "top_logprobs": [
-                {"token": (alt := texts.text(t)), "logprob": clamp_logprob(lp),
-                 "bytes": list(alt.encode("utf-8", errors="replace"))}
-                for t, lp in entry.top[:num_top]
-            ],
-        })
+        content.append(
+            {
+                "token": text,
+                "logprob": clamp_logprob(entry.logprob),
+                "bytes": list(text.encode("utf-8", errors="replace")),
+                "top_logprobs": [
+                    {
+                        "token": (alt := texts.text(t)),
+                        "logprob": clamp_logprob(lp),
+                        "bytes": list(alt.encode("utf-8", errors="replace")),
+                    }
+                    for t, lp in entry.top[:num_top]
+                ],
+            }
+        )
     return {"content": content}
 
 
-def prompt_logprobs_json(texts: TokenTexts, token_ids: list[int],
-                         logprobs: list[TokenLogprob | None] | None) -> list | None:
+def prompt_logprobs_json(
+    texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprob | None] | None
+) -> list | None:
     """vLLM's ``prompt_logprobs``: per prompt token, None (the first) or {token id: logprob, rank, text}."""
     if logprobs is None:
         return None
@@ -69,10 +74,14 @@ def prompt_logprobs_json(texts: TokenTexts, token_ids: list[int],
         if entry is None:
             result.append(None)
             continue
-        item = {str(token_id): {"logprob": clamp_logprob(entry.logprob), "rank": entry.rank,
-                                "decoded_token": texts.text(token_id)}}
+        item = {
+            str(token_id): {
+                "logprob": clamp_logprob(entry.logprob),
+                "rank": entry.rank,
+                "decoded_token": texts.text(token_id),
+            }
+        }
         for rank, (alt, lp) in enumerate(entry.top, start=1):
-            item.setdefault(str(alt), {"logprob": clamp_logprob(lp), "rank": rank,
-                                       "decoded_token": texts.text(alt)})
+            item.setdefault(str(alt), {"logprob": clamp_logprob(lp), "rank": rank, "decoded_token": texts.text(alt)})
         result.append(item)
     return result

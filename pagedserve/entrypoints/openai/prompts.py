@@ -58,10 +58,7 @@ class OpenAIPrompts:
         return PreparedPrompt(token_ids, text)
 
     async def chat_prompt(self, request: ChatCompletionRequest) -> PreparedPrompt:
-        text = self.template.apply(
-            request.messages, request.add_generation_prompt, request.continue_final_message,
-            request.chat_template, request.chat_template_kwargs, request.documents,
-        )
+        text = self.template.render(request, request.documents)
         token_ids = await self.tokenizer.encode(text, request.add_special_tokens)
         token_ids = self.truncate(token_ids, request.truncate_prompt_tokens)
         self.limits.check_prompt_ids(token_ids, "messages")
@@ -77,5 +74,7 @@ class OpenAIPrompts:
         if truncate > max_model_len:
             raise bad_request(
                 f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len ({max_model_len}). "
-                "Please select a smaller truncation size.", "truncate_prompt_tokens")
+                "Please select a smaller truncation size.",
+                "truncate_prompt_tokens",
+            )
         return token_ids[-truncate:]

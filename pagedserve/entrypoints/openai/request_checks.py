@@ -14,8 +14,14 @@ from pagedserve.entrypoints.serving.errors import APIError, bad_request
 logger = logging.getLogger(__name__)
 
 MAX_STOP_SEQUENCES = 16
-_STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                             "logits_processors")
+_STRUCTURED_OUTPUT_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "logits_processors",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +62,10 @@ def reject_unsupported(request: SamplingFields) -> None:
         raise bad_request("Beam search is not supported.", "use_beam_search")
     fmt = request.response_format
     if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad_request(f"response_format type {fmt.get('type')!r} is not supported by this server; "
-                          "only 'text' is.", "response_format")
+        raise bad_request(
+            f"response_format type {fmt.get('type')!r} is not supported by this server; only 'text' is.",
+            "response_format",
+        )
     for name in _STRUCTURED_OUTPUT_FIELDS:
         if getattr(request, name) is not None:
             raise bad_request(f"{name} is not supported by this server.", name)

@@ -61,6 +61,13 @@ async def show_model(model_id: str, raw_request: Request) -> Response:
 
 
 def _model_card(context: ServerContext, name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": context.created, "owned_by": "pagedserve",
-            "root": context.model_root, "parent": None, "max_model_len": context.engine.model_info.max_model_len,
-            "permission": []}
+    return {
+        "id": name,
+        "object": "model",
+        "created": context.created,
+        "owned_by": "pagedserve",
+        "root": context.model_root,
+        "parent": None,
+        "max_model_len": context.engine.model_info.max_model_len,
+        "permission": [],
+    }

@@ -52,8 +52,9 @@ class SamplingBuilder:
             room = min(room, int(self.defaults.max_new_tokens))
         return room if default is None else min(default, room)
 
-    def build(self, request: SamplingFields, max_tokens: int, logprobs: int | None,
-              prompt_logprobs: int | None) -> SamplingParams:
+    def build(
+        self, request: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
         stop = request.stop
         stop_list = [stop] if isinstance(stop, str) else list(stop or [])
         stop_token_ids = list(request.stop_token_ids or [])
@@ -111,6 +112,7 @@ class SamplingBuilder:
                 raise bad_request(f"logit_bias value {value} for token {key} must be in [-100, 100].", "logit_bias")
             parsed[token_id] = float(value)
         if bad_keys:
-            raise bad_request(f"Invalid logit_bias keys {bad_keys}: keys must be token ids in [0, {vocab_size}).",
-                              "logit_bias")
+            raise bad_request(
+                f"Invalid logit_bias keys {bad_keys}: keys must be token ids in [0, {vocab_size}).", "logit_bias"
+            )
         return parsed

@@ -9,22 +9,14 @@ from collections.abc import AsyncGenerator
 
 from starlette.responses import Response
 
-from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.core_client import EngineDeadError
 from pagedserve.entrypoints.openai.formatting import chat_logprobs, prompt_logprobs_json, usage
-from pagedserve.entrypoints.openai.prompts import OpenAIPrompts, PreparedPrompt
+from pagedserve.entrypoints.openai.handler_parts import GenerationParts
+from pagedserve.entrypoints.openai.prompts import PreparedPrompt
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedserve.entrypoints.openai.request_checks import ServedModels, check_generation_request
-from pagedserve.entrypoints.openai.sampling import SamplingBuilder
-from pagedserve.entrypoints.serving.admission import (
-    AdmissionControl,
-    collect,
-    engine_failed,
-    random_id,
-    timeout_error,
-)
+from pagedserve.entrypoints.openai.request_checks import check_generation_request
+from pagedserve.entrypoints.serving.admission import collect, engine_failed, random_id, timeout_error
 from pagedserve.entrypoints.serving.errors import APIError, bad_request, json_response
-from pagedserve.entrypoints.serving.logprobs import TokenTexts
 from pagedserve.entrypoints.serving.sse import SSE_DONE, TEXT_MARK, SSEResponse, SSETemplates, sse
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -35,56 +27,55 @@ logger = logging.getLogger(__name__)
 class OpenAIServingChat:
     """Checks a chat request, applies the chat template, runs it and answers with a message or an SSE stream."""
 
-    def __init__(self, *, engine: AsyncLLM, models: ServedModels, prompts: OpenAIPrompts, sampling: SamplingBuilder,
-                 admission: AdmissionControl, texts: TokenTexts, request_timeout: float | None) -> None:
-        self.engine = engine
-        self.models = models
-        self.prompts = prompts
-        self.sampling = sampling
-        self.admission = admission
-        self.texts = texts
-        self.request_timeout = request_timeout
+    def __init__(self, parts: GenerationParts) -> None:
+        self.parts = parts
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
-        model_name = check_generation_request(request, self.models, self.engine)
+        model_name = check_generation_request(request, self.parts.models, self.parts.engine)
         _reject_tools(request)
         num_top = self._check_chat_logprobs(request)
-        self.sampling.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
-        prompt = await self.prompts.chat_prompt(request)
+        self.parts.sampling.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        prompt = await self.parts.prompts.chat_prompt(request)
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        max_tokens = self.sampling.resolve_max_tokens(len(prompt.token_ids), requested, None)
-        params = self.sampling.build(request, max_tokens, num_top, request.prompt_logprobs)
+        max_tokens = self.parts.sampling.resolve_max_tokens(len(prompt.token_ids), requested, None)
+        params = self.parts.sampling.build(request, max_tokens, num_top, request.prompt_logprobs)
         request_id = random_id("chatcmpl")
-        self.admission.acquire()
+        self.parts.admission.acquire()
         if request.stream:
             stream = self._stream(request, request_id, model_name, prompt, params, num_top)
-            return SSEResponse(stream, on_close=self.admission.release)
+            return SSEResponse(stream, on_close=self.parts.admission.release)
         try:
-            result = await collect(self._generate(prompt, params, request_id, request.priority), self.request_timeout)
+            result = await collect(
+                self._generate(prompt, params, request_id, request.priority), self.parts.request_timeout
+            )
         finally:
-            self.admission.release()
+            self.parts.admission.release()
         echo = _echo_text(request)
         choices = []
         for completion in sorted(result.outputs, key=lambda c: c.index):
-            choices.append({
-                "index": completion.index,
-                "message": {"role": "assistant", "content": echo + completion.text, "tool_calls": []},
-                "logprobs": chat_logprobs(self.texts, completion.token_ids, completion.logprobs, num_top)
-                if num_top is not None else None,
-                "finish_reason": completion.finish_reason.value if completion.finish_reason else None,
-                "stop_reason": completion.stop_reason,
-            })
+            choices.append(
+                {
+                    "index": completion.index,
+                    "message": {"role": "assistant", "content": echo + completion.text, "tool_calls": []},
+                    "logprobs": chat_logprobs(self.parts.texts, completion.token_ids, completion.logprobs, num_top)
+                    if num_top is not None
+                    else None,
+                    "finish_reason": completion.finish_reason.value if completion.finish_reason else None,
+                    "stop_reason": completion.stop_reason,
+                }
+            )
         body = {
             "id": request_id,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model_name,
             "choices": choices,
-            "usage": usage(len(prompt.token_ids), sum(len(c.token_ids) for c in result.outputs),
-                           result.num_cached_tokens),
+            "usage": usage(
+                len(prompt.token_ids), sum(len(c.token_ids) for c in result.outputs), result.num_cached_tokens
+            ),
         }
         if request.prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs_json(self.texts, prompt.token_ids, result.prompt_logprobs)
+            body["prompt_logprobs"] = prompt_logprobs_json(self.parts.texts, prompt.token_ids, result.prompt_logprobs)
         return json_response(body)
 
     def _check_chat_logprobs(self, request: ChatCompletionRequest) -> int | None:
@@ -95,19 +86,26 @@ class OpenAIServingChat:
                 raise bad_request("`top_logprobs` must be a non-negative value.", "top_logprobs")
             if top > 0 and not request.logprobs:
                 raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-            self.sampling.check_logprobs(top, "top_logprobs")
+            self.parts.sampling.check_logprobs(top, "top_logprobs")
         return (top or 0) if request.logprobs else None
 
-    def _generate(self, prompt: PreparedPrompt, params: SamplingParams, request_id: str,
-                  priority: int) -> AsyncGenerator[RequestOutput, None]:
-        return self.engine.generate(prompt.token_ids, params, request_id, prompt=prompt.text, priority=priority)
+    def _generate(
+        self, prompt: PreparedPrompt, params: SamplingParams, request_id: str, priority: int
+    ) -> AsyncGenerator[RequestOutput, None]:
+        return self.parts.engine.generate(prompt.token_ids, params, request_id, prompt=prompt.text, priority=priority)
 
     # ----------------------------------------------------------------- streaming
-    async def _stream(self, request: ChatCompletionRequest, request_id: str, model_name: str,
-                      prompt: PreparedPrompt, params: SamplingParams,
-                      num_top: int | None) -> AsyncGenerator[str, None]:
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        model_name: str,
+        prompt: PreparedPrompt,
+        params: SamplingParams,
+        num_top: int | None,
+    ) -> AsyncGenerator[str, None]:
         created = int(time.time())
-        texts = self.texts
+        texts = self.parts.texts
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_name}
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = include_usage and bool(request.stream_options.continuous_usage_stats)
@@ -115,16 +113,39 @@ class OpenAIServingChat:
         num_generated = 0
         num_cached = 0
         echo = _echo_text(request)
-        plain_events = SSETemplates(lambda index: {**head, "choices": [  # per choice index: a content delta only
-            {"index": index, "delta": {"content": TEXT_MARK}, "logprobs": None, "finish_reason": None}]})
+        plain_events = SSETemplates(
+            lambda index: {
+                **head,
+                "choices": [  # per choice index: a content delta only
+                    {"index": index, "delta": {"content": TEXT_MARK}, "logprobs": None, "finish_reason": None}
+                ],
+            }
+        )
         try:
             for index in range(request.n):
-                yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
+                yield sse(
+                    {
+                        **head,
+                        "choices": [
+                            {
+                                "index": index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
                 if echo:
-                    yield sse({**head, "choices": [{"index": index, "delta": {"content": echo},
-                                                    "logprobs": None, "finish_reason": None}]})
-            async with asyncio.timeout(self.request_timeout):
+                    yield sse(
+                        {
+                            **head,
+                            "choices": [
+                                {"index": index, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
+                            ],
+                        }
+                    )
+            async with asyncio.timeout(self.parts.request_timeout):
                 async for output in self._generate(prompt, params, request_id, request.priority):
                     num_cached = output.num_cached_tokens
                     for completion in output.outputs:
@@ -140,7 +161,8 @@ class OpenAIServingChat:
                             "index": completion.index,
                             "delta": {"content": completion.text} if completion.text or finish is None else {},
                             "logprobs": chat_logprobs(texts, completion.token_ids, completion.logprobs, num_top)
-                            if num_top is not None else None,
+                            if num_top is not None
+                            else None,
                             "finish_reason": finish.value if finish else None,
                         }
                         if finish is not None:
@@ -152,7 +174,7 @@ class OpenAIServingChat:
             if include_usage:
                 yield sse({**head, "choices": [], "usage": usage(num_prompt_tokens, num_generated, num_cached)})
         except TimeoutError:
-            yield sse(timeout_error(self.request_timeout).openai_body())
+            yield sse(timeout_error(self.parts.request_timeout).openai_body())
         except EngineDeadError as exc:
             yield sse(engine_failed(exc).openai_body())
         except ValueError as exc:
@@ -167,8 +189,9 @@ def _reject_tools(request: ChatCompletionRequest) -> None:
     if request.functions or request.function_call not in (None, "none"):
         raise bad_request("Function calling is not supported by this server.", "functions")
     if request.tools and request.tool_choice not in ("none",):
-        raise bad_request("Tool calling is not supported by this server; omit `tools` or set "
-                          "`tool_choice` to \"none\".", "tools")
+        raise bad_request(
+            'Tool calling is not supported by this server; omit `tools` or set `tool_choice` to "none".', "tools"
+        )
 
 
 def _echo_text(request: ChatCompletionRequest) -> str:

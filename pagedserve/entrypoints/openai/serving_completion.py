@@ -9,17 +9,22 @@ from collections.abc import AsyncGenerator
 
 from starlette.responses import Response
 
-from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.core_client import EngineDeadError
 from pagedserve.entrypoints.openai.formatting import completion_logprobs, prompt_logprobs_json, usage
-from pagedserve.entrypoints.openai.prompts import OpenAIPrompts, PreparedPrompt
+from pagedserve.entrypoints.openai.handler_parts import GenerationParts
+from pagedserve.entrypoints.openai.prompts import PreparedPrompt
 from pagedserve.entrypoints.openai.protocol import CompletionRequest
-from pagedserve.entrypoints.openai.request_checks import ServedModels, check_generation_request
-from pagedserve.entrypoints.openai.sampling import SamplingBuilder
-from pagedserve.entrypoints.serving.admission import AdmissionControl, collect, engine_failed, random_id, timeout_error
+from pagedserve.entrypoints.openai.request_checks import check_generation_request
+from pagedserve.entrypoints.serving.admission import collect, engine_failed, random_id, timeout_error
 from pagedserve.entrypoints.serving.errors import APIError, bad_request, json_response
-from pagedserve.entrypoints.serving.logprobs import TokenTexts
-from pagedserve.entrypoints.serving.sse import SSE_DONE, TEXT_MARK, SSEResponse, SSETemplates, merge_async_iterators, sse
+from pagedserve.entrypoints.serving.sse import (
+    SSE_DONE,
+    TEXT_MARK,
+    SSEResponse,
+    SSETemplates,
+    merge_async_iterators,
+    sse,
+)
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -29,59 +34,62 @@ logger = logging.getLogger(__name__)
 class OpenAIServingCompletion:
     """Checks a completion request, runs its prompts and answers with one body or an SSE stream."""
 
-    def __init__(self, *, engine: AsyncLLM, models: ServedModels, prompts: OpenAIPrompts, sampling: SamplingBuilder,
-                 admission: AdmissionControl, texts: TokenTexts, request_timeout: float | None) -> None:
-        self.engine = engine
-        self.models = models
-        self.prompts = prompts
-        self.sampling = sampling
-        self.admission = admission
-        self.texts = texts
-        self.request_timeout = request_timeout
+    def __init__(self, parts: GenerationParts) -> None:
+        self.parts = parts
 
     async def create_completion(self, request: CompletionRequest) -> Response:
-        model_name = check_generation_request(request, self.models, self.engine)
+        model_name = check_generation_request(request, self.parts.models, self.parts.engine)
         if request.suffix:
             raise bad_request("suffix is not currently supported.", "suffix")
-        self.sampling.check_logprobs(request.logprobs, "logprobs")
-        self.sampling.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
-        prompts = await self.prompts.completion_prompts(request)
+        self.parts.sampling.check_logprobs(request.logprobs, "logprobs")
+        self.parts.sampling.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        prompts = await self.parts.prompts.completion_prompts(request)
         params = [self._params_for(request, prompt) for prompt in prompts]
         request_id = random_id("cmpl")
-        self.admission.acquire(len(prompts))
+        self.parts.admission.acquire(len(prompts))
         if request.stream:
             stream = self._stream(request, request_id, model_name, prompts, params)
-            return SSEResponse(stream, on_close=lambda: self.admission.release(len(prompts)))
+            return SSEResponse(stream, on_close=lambda: self.parts.admission.release(len(prompts)))
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [
-                    group.create_task(collect(self._generate(p, sp, f"{request_id}-{i}", request.priority),
-                                              self.request_timeout))
+                    group.create_task(
+                        collect(
+                            self._generate(p, sp, f"{request_id}-{i}", request.priority), self.parts.request_timeout
+                        )
+                    )
                     for i, (p, sp) in enumerate(zip(prompts, params))
                 ]
         except* APIError as group_error:
             raise group_error.exceptions[0] from None
         finally:
-            self.admission.release(len(prompts))
+            self.parts.admission.release(len(prompts))
         results = [task.result() for task in tasks]
         return json_response(self._response(request, request_id, model_name, prompts, results))
 
     def _params_for(self, request: CompletionRequest, prompt: PreparedPrompt) -> SamplingParams:
         explicit = "max_tokens" in request.model_fields_set
         requested = request.max_tokens if explicit else None
-        max_tokens = self.sampling.resolve_max_tokens(len(prompt.token_ids), requested, None if explicit else 16)
+        max_tokens = self.parts.sampling.resolve_max_tokens(len(prompt.token_ids), requested, None if explicit else 16)
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
-        return self.sampling.build(request, max_tokens, request.logprobs, prompt_logprobs)
+        return self.parts.sampling.build(request, max_tokens, request.logprobs, prompt_logprobs)
 
-    def _generate(self, prompt: PreparedPrompt, params: SamplingParams, request_id: str,
-                  priority: int) -> AsyncGenerator[RequestOutput, None]:
-        return self.engine.generate(prompt.token_ids, params, request_id, prompt=prompt.text, priority=priority)
+    def _generate(
+        self, prompt: PreparedPrompt, params: SamplingParams, request_id: str, priority: int
+    ) -> AsyncGenerator[RequestOutput, None]:
+        return self.parts.engine.generate(prompt.token_ids, params, request_id, prompt=prompt.text, priority=priority)
 
     # ----------------------------------------------------------------- non-streaming
-    def _response(self, request: CompletionRequest, request_id: str, model_name: str,
-                  prompts: list[PreparedPrompt], results: list[RequestOutput]) -> dict:
+    def _response(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        model_name: str,
+        prompts: list[PreparedPrompt],
+        results: list[RequestOutput],
+    ) -> dict:
         choices = []
         num_prompt_tokens = num_generated = 0
         for prompt_index, (prompt, result) in enumerate(zip(prompts, results)):
@@ -98,8 +106,14 @@ class OpenAIServingCompletion:
             "usage": usage(num_prompt_tokens, num_generated, sum(r.num_cached_tokens for r in results)),
         }
 
-    def _choice(self, request: CompletionRequest, prompt: PreparedPrompt, result: RequestOutput,
-                completion: CompletionOutput, index_base: int) -> dict:
+    def _choice(
+        self,
+        request: CompletionRequest,
+        prompt: PreparedPrompt,
+        result: RequestOutput,
+        completion: CompletionOutput,
+        index_base: int,
+    ) -> dict:
         text = completion.text
         token_ids = completion.token_ids
         logprobs = completion.logprobs
@@ -112,23 +126,32 @@ class OpenAIServingCompletion:
         choice = {
             "index": index_base + completion.index,
             "text": text,
-            "logprobs": completion_logprobs(self.texts, token_ids, logprobs, request.logprobs, 0)
-            if request.logprobs is not None else None,
+            "logprobs": completion_logprobs(self.parts.texts, token_ids, logprobs, request.logprobs, 0)
+            if request.logprobs is not None
+            else None,
             "finish_reason": completion.finish_reason.value if completion.finish_reason else None,
             "stop_reason": completion.stop_reason,
         }
         if request.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_logprobs_json(self.texts, prompt.token_ids, result.prompt_logprobs)
+            choice["prompt_logprobs"] = prompt_logprobs_json(self.parts.texts, prompt.token_ids, result.prompt_logprobs)
         return choice
 
     # ----------------------------------------------------------------- streaming
-    async def _stream(self, request: CompletionRequest, request_id: str, model_name: str,
-                      prompts: list[PreparedPrompt], params: list[SamplingParams]) -> AsyncGenerator[str, None]:
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        model_name: str,
+        prompts: list[PreparedPrompt],
+        params: list[SamplingParams],
+    ) -> AsyncGenerator[str, None]:
         created = int(time.time())
         n = request.n
-        texts = self.texts
-        streams = [self._generate(p, sp, f"{request_id}-{i}", request.priority)
-                   for i, (p, sp) in enumerate(zip(prompts, params))]
+        texts = self.parts.texts
+        streams = [
+            self._generate(p, sp, f"{request_id}-{i}", request.priority)
+            for i, (p, sp) in enumerate(zip(prompts, params))
+        ]
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
         num_generated = [0] * len(prompts)
@@ -139,13 +162,23 @@ class OpenAIServingCompletion:
         head = {"id": request_id, "object": "text_completion", "created": created, "model": model_name}
 
         def chunk(index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason: object) -> dict:
-            return {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                         "finish_reason": finish_reason, "stop_reason": stop_reason}]}
+            return {
+                **head,
+                "choices": [
+                    {
+                        "index": index,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": finish_reason,
+                        "stop_reason": stop_reason,
+                    }
+                ],
+            }
 
         plain_events = SSETemplates(lambda index: chunk(index, TEXT_MARK, None, None, None))  # per choice: text only
 
         try:
-            async with asyncio.timeout(self.request_timeout):
+            async with asyncio.timeout(self.parts.request_timeout):
                 async for prompt_index, output in merge_async_iterators(*streams):
                     num_cached[prompt_index] = output.num_cached_tokens
                     for completion in output.outputs:
@@ -160,8 +193,13 @@ class OpenAIServingCompletion:
                             continue
                         logprobs = None
                         if request.logprobs is not None:
-                            logprobs = completion_logprobs(texts, completion.token_ids, completion.logprobs,
-                                                           request.logprobs, offsets.get(index, 0))
+                            logprobs = completion_logprobs(
+                                texts,
+                                completion.token_ids,
+                                completion.logprobs,
+                                request.logprobs,
+                                offsets.get(index, 0),
+                            )
                         offsets[index] = offsets.get(index, 0) + len(completion.text)
                         finish = completion.finish_reason
                         if logprobs is None and finish is None and completion.stop_reason is None and not continuous:
@@ -172,9 +210,11 @@ class OpenAIServingCompletion:
                             event["usage"] = usage(num_prompt_tokens, sum(num_generated), None)
                         yield sse(event)
             if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(num_prompt_tokens, sum(num_generated), sum(num_cached))})
+                yield sse(
+                    {**head, "choices": [], "usage": usage(num_prompt_tokens, sum(num_generated), sum(num_cached))}
+                )
         except TimeoutError:
-            yield sse(timeout_error(self.request_timeout).openai_body())
+            yield sse(timeout_error(self.parts.request_timeout).openai_body())
         except EngineDeadError as exc:
             yield sse(engine_failed(exc).openai_body())
         except ValueError as exc:

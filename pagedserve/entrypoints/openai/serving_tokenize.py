@@ -15,8 +15,9 @@ from pagedserve.entrypoints.serving.tokenization import PromptTokenizer
 class OpenAIServingTokenization:
     """Text or chat messages -> token ids, and token ids -> text."""
 
-    def __init__(self, *, models: ServedModels, tokenizer: PromptTokenizer, template: ChatTemplate,
-                 limits: ModelLimits) -> None:
+    def __init__(
+        self, *, models: ServedModels, tokenizer: PromptTokenizer, template: ChatTemplate, limits: ModelLimits
+    ) -> None:
         self.models = models
         self.tokenizer = tokenizer
         self.template = template
@@ -25,10 +26,7 @@ class OpenAIServingTokenization:
     async def tokenize_request(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
         self.models.resolve(request.model)
         if isinstance(request, TokenizeChatRequest):
-            text = self.template.apply(
-                request.messages, request.add_generation_prompt, request.continue_final_message,
-                request.chat_template, request.chat_template_kwargs,
-            )
+            text = self.template.render(request)
         else:
             text = request.prompt
         token_ids = await self.tokenizer.encode(text, request.add_special_tokens)

@@ -29,7 +29,9 @@ class AdmissionControl:
                 self.on_reject("overloaded")
             raise APIError(
                 "The server is overloaded: too many requests are queued. Please retry later.",
-                429, code="server_overloaded", type="overloaded_error",
+                429,
+                code="server_overloaded",
+                type="overloaded_error",
                 headers={"Retry-After": str(self.retry_after_s)},
             )
         self.in_flight += count
@@ -48,8 +50,9 @@ def check_engine_alive(engine: AsyncLLM) -> None:
 
 
 def timeout_error(seconds: float | None) -> APIError:
-    return APIError(f"The request timed out after {seconds} s and was aborted.", 408, code="request_timeout",
-                    type="timeout_error")
+    return APIError(
+        f"The request timed out after {seconds} s and was aborted.", 408, code="request_timeout", type="timeout_error"
+    )
 
 
 def engine_failed(exc: BaseException) -> APIError:

@@ -32,12 +32,32 @@ _OPENAI_TYPES = {
     500: "internal_server_error",
     503: "service_unavailable",
 }
-_TGI_TYPES = {422: "validation", 400: "validation", 413: "validation", 429: "overloaded", 424: "generation",
-              500: "incomplete_generation", 503: "unhealthy", 408: "timeout", 401: "authentication"}
+_TGI_TYPES = {
+    422: "validation",
+    400: "validation",
+    413: "validation",
+    429: "overloaded",
+    424: "generation",
+    500: "incomplete_generation",
+    503: "unhealthy",
+    408: "timeout",
+    401: "authentication",
+}
 
 
-TGI_ERROR_TYPES = frozenset({"validation", "overloaded", "generation", "incomplete_generation", "healthcheck",
-                             "unhealthy", "timeout", "authentication", "rate_limited"})
+TGI_ERROR_TYPES = frozenset(
+    {
+        "validation",
+        "overloaded",
+        "generation",
+        "incomplete_generation",
+        "healthcheck",
+        "unhealthy",
+        "timeout",
+        "authentication",
+        "rate_limited",
+    }
+)
 
 
 class APIError(Exception):

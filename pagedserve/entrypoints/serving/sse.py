@@ -54,8 +54,12 @@ class SSEResponse(StreamingResponse):
     """``text/event-stream`` response whose generator is closed (aborting its requests) and whose
     ``on_close`` runs however the response ends: completed, client gone, or never started."""
 
-    def __init__(self, content: AsyncGenerator[str, None], on_close: Callable[[], None] | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        content: AsyncGenerator[str, None],
+        on_close: Callable[[], None] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(content, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
         self._generator = content
         self._on_close = on_close

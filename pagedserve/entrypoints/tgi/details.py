@@ -37,11 +37,13 @@ class TGIDetails:
             body["details"] = details
         return body
 
-    def _sequence_details(self, completion: CompletionOutput, plan: Plan, result: RequestOutput,
-                          p: GenerateParameters) -> dict:
+    def _sequence_details(
+        self, completion: CompletionOutput, plan: Plan, result: RequestOutput, p: GenerateParameters
+    ) -> dict:
         logprobs = completion.logprobs or []
-        tokens = [self._token_json(t, logprobs[i] if i < len(logprobs) else None)
-                  for i, t in enumerate(completion.token_ids)]
+        tokens = [
+            self._token_json(t, logprobs[i] if i < len(logprobs) else None) for i, t in enumerate(completion.token_ids)
+        ]
         details: dict = {
             "finish_reason": tgi_finish_reason(completion),
             "generated_tokens": len(completion.token_ids),
@@ -56,8 +58,11 @@ class TGIDetails:
     def _prefill(self, token_ids: list[int], logprobs: list[TokenLogprob | None] | None) -> list[dict]:
         logprobs = logprobs or []
         return [
-            {"id": t, "text": self.texts.text(t),
-             "logprob": clamp_logprob(logprobs[i].logprob) if i < len(logprobs) and logprobs[i] else None}
+            {
+                "id": t,
+                "text": self.texts.text(t),
+                "logprob": clamp_logprob(logprobs[i].logprob) if i < len(logprobs) and logprobs[i] else None,
+            }
             for i, t in enumerate(token_ids)
         ]
 
@@ -73,11 +78,22 @@ class TGIDetails:
         if logprob is None:
             return []
         texts = self.texts
-        return [{"id": t, "text": texts.text(t), "logprob": clamp_logprob(lp), "special": texts.is_special(t)}
-                for t, lp in logprob.top[:count]]
+        return [
+            {"id": t, "text": texts.text(t), "logprob": clamp_logprob(lp), "special": texts.is_special(t)}
+            for t, lp in logprob.top[:count]
+        ]
 
-    def token_events(self, completion: CompletionOutput, p: GenerateParameters, index: int, finished: bool,
-                     generated_text: str, input_length: int, seed: int | None, prefix: str) -> list[str]:
+    def token_events(
+        self,
+        completion: CompletionOutput,
+        p: GenerateParameters,
+        index: int,
+        finished: bool,
+        generated_text: str,
+        input_length: int,
+        seed: int | None,
+        prefix: str,
+    ) -> list[str]:
         """One event per token; the delta text goes on the last non-special token of the delta."""
         texts = self.texts
         ids = completion.token_ids

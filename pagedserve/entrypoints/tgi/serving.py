@@ -32,8 +32,17 @@ logger = logging.getLogger(__name__)
 class TGIServing:
     """Serves TGI's generate API; the engine and the admission control are shared with the OpenAI routes."""
 
-    def __init__(self, *, engine: AsyncLLM, planner: TGIPlanner, details: TGIDetails, admission: AdmissionControl,
-                 request_timeout: float | None, model_name: str, model_dtype: str | None) -> None:
+    def __init__(
+        self,
+        *,
+        engine: AsyncLLM,
+        planner: TGIPlanner,
+        details: TGIDetails,
+        admission: AdmissionControl,
+        request_timeout: float | None,
+        model_name: str,
+        model_dtype: str | None,
+    ) -> None:
         self.engine = engine
         self.planner = planner
         self.details = details
@@ -104,8 +113,16 @@ class TGIServing:
                 async for output in self._generate(plan):
                     completion = output.outputs[0]
                     text_parts.append(completion.text)
-                    for event in self.details.token_events(completion, p, index, output.finished, "".join(text_parts),
-                                                           len(plan.token_ids), plan.seed, prefix):
+                    for event in self.details.token_events(
+                        completion,
+                        p,
+                        index,
+                        output.finished,
+                        "".join(text_parts),
+                        len(plan.token_ids),
+                        plan.seed,
+                        prefix,
+                    ):
                         index += 1
                         yield event
         except TimeoutError:

@@ -58,9 +58,11 @@ class TGIPlanner:
             raise tgi_error("`inputs` cannot be empty")
         self.limits.check_token_ids(token_ids, "inputs")
         max_new_tokens = self._max_new_tokens(len(token_ids), p.max_new_tokens)
-        sampling = p.do_sample or any(
-            v is not None for v in (p.top_k, p.top_p, p.typical_p)
-        ) or (p.temperature is not None and p.temperature != 1.0)
+        sampling = (
+            p.do_sample
+            or any(v is not None for v in (p.top_k, p.top_p, p.typical_p))
+            or (p.temperature is not None and p.temperature != 1.0)
+        )
         seed = p.seed
         if sampling and seed is None:
             seed = random.getrandbits(63)
@@ -86,8 +88,9 @@ class TGIPlanner:
         if truncate is None:
             return token_ids
         if truncate <= 0 or truncate > self.max_input_tokens:
-            raise tgi_error(f"`truncate` must be strictly positive and less than {self.max_input_tokens}. "
-                            f"Given: {truncate}")
+            raise tgi_error(
+                f"`truncate` must be strictly positive and less than {self.max_input_tokens}. Given: {truncate}"
+            )
         return token_ids[-truncate:]
 
     def _max_new_tokens(self, num_input_tokens: int, requested: int | None) -> int:
@@ -96,8 +99,10 @@ class TGIPlanner:
             raise tgi_error(f"`inputs` must have less than {self.max_input_tokens} tokens. Given: {num_input_tokens}")
         max_new_tokens = max_model_len - num_input_tokens if requested is None else requested
         if num_input_tokens + max_new_tokens > max_model_len:
-            raise tgi_error(f"`inputs` tokens + `max_new_tokens` must be <= {max_model_len}. Given: "
-                            f"{num_input_tokens} `inputs` tokens and {max_new_tokens} `max_new_tokens`")
+            raise tgi_error(
+                f"`inputs` tokens + `max_new_tokens` must be <= {max_model_len}. Given: "
+                f"{num_input_tokens} `inputs` tokens and {max_new_tokens} `max_new_tokens`"
+            )
         return max_new_tokens
 
 
@@ -116,25 +121,32 @@ def check_parameters(p: GenerateParameters, stream: bool) -> int:
             raise tgi_error("you must use sampling when `best_of` is > 1")
     checks = [
         (p.temperature is not None and p.temperature <= 0, "`temperature` must be strictly positive"),
-        (p.repetition_penalty is not None and p.repetition_penalty <= 0,
-         "`repetition_penalty` must be strictly positive"),
-        (p.frequency_penalty is not None and not -2.0 <= p.frequency_penalty <= 2.0,
-         "`frequency_penalty` must be >= -2.0 and <= 2.0"),
+        (
+            p.repetition_penalty is not None and p.repetition_penalty <= 0,
+            "`repetition_penalty` must be strictly positive",
+        ),
+        (
+            p.frequency_penalty is not None and not -2.0 <= p.frequency_penalty <= 2.0,
+            "`frequency_penalty` must be >= -2.0 and <= 2.0",
+        ),
         (p.top_p is not None and not 0.0 < p.top_p < 1.0, "`top_p` must be > 0.0 and < 1.0"),
         (p.typical_p is not None, "`typical_p` is not supported by this server"),
         (p.top_k is not None and p.top_k <= 0, "`top_k` must be strictly positive"),
         (p.max_new_tokens is not None and p.max_new_tokens <= 0, "`max_new_tokens` must be strictly positive"),
-        (len(p.stop) > MAX_STOP_SEQUENCES,
-         f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(p.stop)}"),
+        (
+            len(p.stop) > MAX_STOP_SEQUENCES,
+            f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(p.stop)}",
+        ),
         (any(not s for s in p.stop), "`stop` sequences cannot be empty"),
-        (p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= MAX_TOP_N_TOKENS,
-         f"`top_n_tokens` must be >= 0 and <= {MAX_TOP_N_TOKENS}"),
+        (
+            p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= MAX_TOP_N_TOKENS,
+            f"`top_n_tokens` must be >= 0 and <= {MAX_TOP_N_TOKENS}",
+        ),
         (p.seed is not None and not 0 <= p.seed < 2**64, "`seed` must be a non-negative 64-bit integer"),
         (p.watermark, "`watermark` is not supported by this server"),
         (p.grammar is not None, "`grammar` is not supported by this server"),
         (p.adapter_id not in (None, ""), "`adapter_id` is not supported by this server"),
-        (stream and p.decoder_input_details,
-         "`decoder_input_details` == true is not supported when streaming tokens"),
+        (stream and p.decoder_input_details, "`decoder_input_details` == true is not supported when streaming tokens"),
     ]
     for failed, message in checks:
         if failed:

@@ -1,0 +1,26 @@
+"""GenerationParts: what the OpenAI generation handlers (completions, chat) are built from, built once per server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.entrypoints.openai.prompts import OpenAIPrompts
+from pagedserve.entrypoints.openai.request_checks import ServedModels
+from pagedserve.entrypoints.openai.sampling import SamplingBuilder
+from pagedserve.entrypoints.serving.admission import AdmissionControl
+from pagedserve.entrypoints.serving.logprobs import TokenTexts
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParts:
+    """The engine, the served names, prompt preparation, sampling-params building, admission, token texts and
+    the per-request timeout (seconds; None for no limit)."""
+
+    engine: AsyncLLM
+    models: ServedModels
+    prompts: OpenAIPrompts
+    sampling: SamplingBuilder
+    admission: AdmissionControl
+    texts: TokenTexts
+    request_timeout: float | None
