@@ -1,4 +1,4 @@
-// The Python module of pagedserve's CPU kernels (built by pagedserve/worker/cpu_kernels.py).
+// The Python module of pagedserve's CPU kernels (built by pagedserve/kernels/cpu_build.py).
 #include <torch/extension.h>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
