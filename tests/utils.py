@@ -43,6 +43,19 @@ def assert_no_leak(llm) -> None:
     assert llm.engine.num_free_blocks == llm.engine.num_usable_blocks
 
 
+# the shape of the tiny random Llama-family models the model, loader and engine tests build
+TINY_CONFIG = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

@@ -19,6 +19,7 @@ from pagedserve.messages import EngineCoreOutput, EngineCoreRequest
 from pagedserve.outputs import FinishReason
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import load_tokenizer, tokenizer_path
+from tests.utils import TINY_CONFIG
 
 EOS = 3
 
@@ -27,13 +28,7 @@ EOS = 3
 def tiny_model():
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+        **dict(TINY_CONFIG, max_position_embeddings=64, rms_norm_eps=1e-6),
         bos_token_id=None,
         eos_token_id=EOS,
         pad_token_id=None,

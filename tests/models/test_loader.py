@@ -19,6 +19,7 @@ from pagedserve.models.default_model import INSTALL_HINT, default_model_path
 from pagedserve.models.loader import derive_model_name, load_model, resolve_dtype
 from pagedserve.models.registry import ModelLoadError
 from pagedserve.tokenizer import load_tokenizer, tokenizer_from_gguf_metadata, tokenizer_path
+from tests.utils import TINY_CONFIG
 
 TEXTS = [
     "Hello world",
@@ -222,16 +223,7 @@ GGUF_BLOCK_NAMES = {
     "mlp.down_proj": "ffn_down",
 }
 GGUF_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-)
+TINY = TINY_CONFIG
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,

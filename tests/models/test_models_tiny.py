@@ -20,22 +20,11 @@ from pagedserve.models.loader import LoadedModel, load_model
 from pagedserve.models.registry import MODEL_REGISTRY, ModelLoadError
 from pagedserve.tokenizer import load_tokenizer, request_eos_token_ids, tokenizer_path
 from pagedserve.worker.cpu_fast_paths import can_pack_linear_weights, pack_linear_weights, use_fused_ops
+from tests.utils import TINY_CONFIG
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
+TINY = dict(TINY_CONFIG, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 CONFIGS = {
     "llama": lambda: LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]),
     "llama3-rope": lambda: LlamaConfig(
