@@ -122,3 +122,57 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
     max_logprobs: int = 20
+
+
+ENGINE_KINDS = ("paged", "hf")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One served model: the name clients send as ``model``, what backs it, and how many replicas.
+
+    ``replicas`` counts engine replicas on Ray Serve; the single-process server runs one engine per
+    name (``replicas`` 1). Replacing the engine behind a name (hot swap) means a new ModelSpec.
+    """
+
+    name: str
+    engine_config: EngineConfig
+    engine: str = "paged"  # paged | hf
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.name or self.name != self.name.strip():
+            raise ValueError(f"invalid model name {self.name!r}")
+        if self.engine not in ENGINE_KINDS:
+            raise ValueError(f"engine must be one of {', '.join(ENGINE_KINDS)}; got {self.engine!r}")
+        if self.replicas < 1:
+            raise ValueError("replicas must be at least 1")
+
+
+REQUEST_ROUTERS = ("round-robin", "least-loaded", "prefix-affinity")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """Engine replicas on Ray Serve (``pagedserve serve --replicas N`` or ``--ray-address``).
+
+    ``ray_address`` None starts a local Ray instance bound to 127.0.0.1; otherwise the server joins
+    that cluster (``ray start --head`` on one node, ``ray start --address`` on the others).
+    """
+
+    ray_address: str | None = None
+    cpus_per_replica: float = 1.0
+    gpus_per_replica: float = 0.0
+    request_router: str = "prefix-affinity"
+    object_store_memory: int = 256 << 20  # bytes, the local instance's object store
+    dashboard: bool = False  # the local instance's Ray dashboard
+    # prefix-affinity: a replica this many requests busier than the least loaded one is passed over
+    imbalance_threshold: int = 8
+
+    def __post_init__(self) -> None:
+        if self.request_router not in REQUEST_ROUTERS:
+            raise ValueError(f"request_router must be one of {', '.join(REQUEST_ROUTERS)}")
+        if self.cpus_per_replica <= 0:
+            raise ValueError("cpus_per_replica must be positive")
+        if self.gpus_per_replica < 0:
+            raise ValueError("gpus_per_replica must be >= 0")

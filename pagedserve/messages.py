@@ -41,6 +41,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # monotonic; sent with the first output
+    # set by clients whose requests can fail one by one (replicas on a cluster): the request ended with this
+    # error instead of a finish reason (EngineCoreClient.fails_single_requests)
+    error: str | None = None
 
 
 ITERATION_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -84,6 +87,16 @@ class ModelInfo:
     num_kv_blocks: int = 0  # 0 for engines without a paged cache
     block_size: int = 0
     engine_name: str = "paged"  # "paged" | "hf"
+
+
+@dataclass(slots=True)
+class ReplicaStatus:
+    """One engine replica behind a served name: where it runs and its latest stats (admin API, metrics)."""
+
+    replica_id: str  # "0" for the single-process server's engine; Ray Serve's replica id on a cluster
+    pid: int
+    node: str  # host name (single process) or Ray node id
+    stats: SchedulerStats
 
 
 # --------------------------------------------------------------------------- client -> engine-core loop

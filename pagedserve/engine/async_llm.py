@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, Callable
 
 from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
 from pagedserve.engine.output_processor import IterationStats, OutputProcessor
-from pagedserve.messages import EngineCoreRequest, ModelInfo, SchedulerStats
+from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import request_eos_token_ids
@@ -168,9 +168,12 @@ class AsyncLLM:
         core = self.core
         processor = self.output_processor
         collectors = self._collectors
+        single_failures = core.fails_single_requests
         try:
             while True:
                 outputs = await core.get_outputs()
+                if single_failures:
+                    outputs = self._fail_requests_in(outputs)
                 for start in range(0, len(outputs), OUTPUT_CHUNK_SIZE):
                     if start:
                         await asyncio.sleep(0)
@@ -186,6 +189,22 @@ class AsyncLLM:
             raise
         except BaseException as exc:  # noqa: BLE001 - the core is gone; fail every request
             self._fail_all(exc)
+
+    def _fail_requests_in(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """End the requests that ``outputs`` report failed with EngineDeadError; return the other outputs."""
+        if all(output.error is None for output in outputs):
+            return outputs
+        kept = []
+        for output in outputs:
+            if output.error is None:
+                kept.append(output)
+                continue
+            collector = self._collectors.pop(output.request_id, None)
+            if self.output_processor.abort_request(output.request_id) is not None:
+                self._emit_stats()
+            if collector is not None:
+                collector.put(EngineDeadError(output.error))
+        return kept
 
     def _emit_stats(self) -> None:
         stats = self.output_processor.take_iteration_stats()

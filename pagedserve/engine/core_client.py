@@ -8,10 +8,12 @@ the engine-core loop (``core_loop.py``) in a background thread of this process
 
 from __future__ import annotations
 
+import os
+import socket
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
+from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, ReplicaStatus, SchedulerStats
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
@@ -26,6 +28,10 @@ class EngineDeadError(RuntimeError):
 
 class EngineCoreClient(ABC):
     """Async handle on an engine core. All methods are called from one event loop."""
+
+    # True for clients that end single requests with an error (``EngineCoreOutput.error``) while the
+    # core lives on (replicas on a cluster); a local core fails as a whole (``is_dead``)
+    fails_single_requests = False
 
     @abstractmethod
     async def warmup(self) -> None:
@@ -72,6 +78,15 @@ class EngineCoreClient(ABC):
     def is_dead(self) -> bool:
         """True once the core has failed."""
 
+    @property
+    def pid(self) -> int:
+        """The process the engine steps in."""
+        return os.getpid()
+
+    def replica_statuses(self) -> list[ReplicaStatus]:
+        """The engine replicas behind this client: one for a local core, one per replica on a cluster."""
+        return [ReplicaStatus("0", self.pid, socket.gethostname(), self.get_stats())]
+
 
 def build_engine(config: EngineConfig, engine: str = "paged"):
     """The synchronous engine ``engine`` names: ``LLMEngine`` ("paged") or ``HFEngine`` ("hf")."""
@@ -87,12 +102,19 @@ def build_engine(config: EngineConfig, engine: str = "paged"):
 
 
 def make_engine_core_client(
-    config: EngineConfig, *, engine: str = "paged", core: str = "process", close_fds: tuple[int, ...] = ()
+    config: EngineConfig,
+    *,
+    engine: str = "paged",
+    core: str = "process",
+    close_fds: tuple[int, ...] = (),
+    start_method: str = "fork",
 ) -> EngineCoreClient:
     """Build the engine ``engine`` ("paged" | "hf") and its core ``core`` ("process" | "thread").
 
-    "process" forks at once (call it before starting any thread) and closes ``close_fds`` in the child
-    (e.g. the server's listening socket); "thread" builds the engine in this process.
+    "process" starts the core process at once: ``start_method`` "fork" (call it before starting any
+    thread; ``close_fds``, e.g. the server's listening socket, are closed in the child) or "spawn" (a
+    fresh interpreter: safe from a process that already runs threads, e.g. an engine loaded at run time
+    or inside a Ray actor); "thread" builds the engine in this process. Blocks until the engine is built.
     Raises RuntimeError (process) or the engine's own error (thread) if the engine cannot be built.
     """
     if engine not in ENGINES:
@@ -100,7 +122,7 @@ def make_engine_core_client(
     if core == "process":
         from pagedserve.engine.mp_client import MPEngineCoreClient
 
-        return MPEngineCoreClient(config, engine=engine, close_fds=close_fds)
+        return MPEngineCoreClient(config, engine=engine, close_fds=close_fds, start_method=start_method)
     if core == "thread":
         from pagedserve.engine.threaded_client import ThreadedEngineCoreClient
 

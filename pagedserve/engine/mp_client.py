@@ -1,7 +1,8 @@
 """MPEngineCoreClient: the engine-core loop (``core_loop.py``) in its own process, so HTTP handling,
 detokenization and SSE in the server process never compete with the model for the GIL.
 
-The core process is forked before the server starts any thread. The loop's typed messages cross one
+The core process is forked before the server starts any thread, or spawned (an engine loaded at run
+time, or one inside a Ray actor). The loop's typed messages cross one
 duplex pipe (the two ends belong to this server alone); a writer thread sends, a reader thread
 receives and hands each step's outputs to the event loop as one batch.
 """
@@ -88,8 +89,16 @@ def run_engine_core(
 class MPEngineCoreClient(EngineCoreClient):
     """EngineCoreClient over an engine (paged by default) in a child process (the server's default)."""
 
-    def __init__(self, config: EngineConfig, engine: EngineSpec = "paged", close_fds: tuple[int, ...] = ()) -> None:
-        ctx = mp.get_context("fork")
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine: EngineSpec = "paged",
+        close_fds: tuple[int, ...] = (),
+        start_method: str = "fork",
+    ) -> None:
+        ctx = mp.get_context(start_method)
+        if start_method != "fork":
+            close_fds = ()  # a spawned child inherits no descriptors but the pipe
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
             target=run_engine_core,
@@ -122,6 +131,10 @@ class MPEngineCoreClient(EngineCoreClient):
     @property
     def is_dead(self) -> bool:
         return self._receiver.is_dead
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid or 0
 
     async def warmup(self) -> None:
         self._ensure_threads()

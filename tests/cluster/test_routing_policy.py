@@ -1,0 +1,104 @@
+"""The routing decisions without Ray: round-robin order, least-loaded ranks, the prefix-affinity index
+and its fall-back when the replica holding a prefix is too busy; and stats merged across replicas."""
+
+from __future__ import annotations
+
+from pagedserve.cluster.ray_client import RouterCounters, merge_stats
+from pagedserve.cluster.routing_policy import (
+    KV_FULL,
+    PREFIX_CHUNK_TOKENS,
+    PrefixAffinityIndex,
+    ReplicaLoad,
+    least_loaded_ranks,
+    prefix_affinity_ranks,
+    prefix_chunk_hashes,
+    round_robin_ranks,
+)
+from pagedserve.messages import EngineCoreRequest, SchedulerStats
+from pagedserve.sampling_params import SamplingParams
+
+
+def family(seed: int, length: int = 200) -> list[int]:
+    return [(seed * 7919 + i * 31) % 50000 for i in range(length)]
+
+
+def test_round_robin_visits_every_replica_in_turn() -> None:
+    firsts = [round_robin_ranks(["a", "b", "c"], counter)[0][0] for counter in range(6)]
+    assert firsts == ["a", "b", "c", "a", "b", "c"]
+    assert round_robin_ranks(["a", "b"], 1) == [["b"], ["a"]]
+    assert round_robin_ranks([], 3) == []
+
+
+def test_least_loaded_orders_by_in_flight_and_puts_full_kv_last() -> None:
+    loads = [ReplicaLoad("a", 5), ReplicaLoad("b", 1), ReplicaLoad("c", 0, kv_usage=KV_FULL), ReplicaLoad("d", 3)]
+    assert least_loaded_ranks(loads) == [["b"], ["d"], ["a"], ["c"]]
+
+
+def test_prefix_hashes_are_chained_whole_chunks() -> None:
+    tokens = family(1, 3 * PREFIX_CHUNK_TOKENS + 5)
+    hashes = prefix_chunk_hashes(tokens)
+    assert len(hashes) == 3
+    assert prefix_chunk_hashes(tokens[: 2 * PREFIX_CHUNK_TOKENS]) == hashes[:2]
+    changed = list(tokens)
+    changed[0] += 1  # a different first token changes every chained hash
+    assert not set(prefix_chunk_hashes(changed)) & set(hashes)
+    assert prefix_chunk_hashes(tokens[: PREFIX_CHUNK_TOKENS - 1]) == []
+
+
+def test_index_matches_the_longest_recorded_prefix_on_a_live_replica() -> None:
+    index = PrefixAffinityIndex()
+    shared = family(2, 4 * PREFIX_CHUNK_TOKENS)
+    index.record(prefix_chunk_hashes(shared[: 2 * PREFIX_CHUNK_TOKENS]), "a")
+    index.record(prefix_chunk_hashes(shared), "b")  # the longer prefix, on b (its first chunks move to b)
+    assert index.match(prefix_chunk_hashes(shared + [1, 2, 3]), {"a", "b"}) == ("b", 4)
+    assert index.match(prefix_chunk_hashes(shared), {"a"}) == (None, 0)  # b left
+    assert index.match(prefix_chunk_hashes(family(3)), {"a", "b"}) == (None, 0)
+    index.forget("b")
+    assert len(index) == 0
+
+
+def test_index_is_bounded() -> None:
+    index = PrefixAffinityIndex(capacity=10)
+    index.record(prefix_chunk_hashes(family(4, 20 * PREFIX_CHUNK_TOKENS)), "a")
+    assert len(index) == 10
+
+
+def test_prefix_affinity_prefers_the_owner_unless_it_is_much_busier() -> None:
+    index = PrefixAffinityIndex()
+    hashes = prefix_chunk_hashes(family(5))
+    index.record(hashes, "b")
+    loads = [ReplicaLoad("a", 0), ReplicaLoad("b", 3)]
+    ranks, by_prefix = prefix_affinity_ranks(index, hashes, loads, imbalance_threshold=4)
+    assert by_prefix and ranks == [["b"], ["a"]]
+    busy = [ReplicaLoad("a", 0), ReplicaLoad("b", 5)]
+    ranks, by_prefix = prefix_affinity_ranks(index, hashes, busy, imbalance_threshold=4)
+    assert not by_prefix and ranks[0] == ["a"]
+    full = [ReplicaLoad("a", 0), ReplicaLoad("b", 0, kv_usage=0.99)]
+    assert prefix_affinity_ranks(index, hashes, full, imbalance_threshold=4)[0][0] == ["a"]
+    unknown, by_prefix = prefix_affinity_ranks(index, prefix_chunk_hashes(family(6)), loads, 4)
+    assert not by_prefix and unknown == [["a"], ["b"]]
+
+
+def test_router_counters_count_affinity_hits_per_family() -> None:
+    counters = RouterCounters()
+    params = SamplingParams()
+
+    def request(tokens: list[int]) -> EngineCoreRequest:
+        return EngineCoreRequest("r", tokens, params, 0.0)
+
+    counters.record_first_chunk(request(family(7) + [1]), "a", {"a", "b"})  # first of its family: no query
+    counters.record_first_chunk(request(family(7) + [2]), "a", {"a", "b"})  # same replica: a hit
+    counters.record_first_chunk(request(family(7) + [3]), "b", {"a", "b"})  # another replica: a miss
+    assert (counters.prefix_queries, counters.prefix_hits) == (2, 1)
+    assert counters.requests == {"a": 2, "b": 1}
+
+
+def test_merge_stats_sums_counts_and_weights_kv_usage_by_blocks() -> None:
+    first = SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.5, num_blocks=10, prefix_cache_hits=3)
+    second = SchedulerStats(num_running=1, kv_cache_usage=0.0, num_blocks=30, iteration_token_counts=(1, 2))
+    third = SchedulerStats(num_blocks=0, iteration_token_counts=(4, 0))
+    merged = merge_stats([first, second, third])
+    assert (merged.num_running, merged.num_waiting, merged.num_blocks, merged.prefix_cache_hits) == (3, 1, 40, 3)
+    assert merged.kv_cache_usage == 5 / 40
+    assert merged.iteration_token_counts == (5, 2)
+    assert merge_stats([]) == SchedulerStats()
