@@ -24,6 +24,7 @@ logger = logging.getLogger("pagedserve.cluster")
 REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"  # Ray Serve names replica actors SERVE_REPLICA::<app>#<deployment>#<id>
 SERVE_NAMESPACE = "serve"
 DEPLOYMENT_NAME = "engine"
+MAX_ONGOING_CALLS = 100_000
 
 
 LOOPBACK_ENV = ("RAY_USAGE_STATS_ENABLED", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
@@ -122,7 +123,6 @@ class RayEngineFactory:
         from ray.serve.config import RequestRouterConfig
 
         cluster = self.cluster
-        scheduler = spec.engine_config.scheduler
         router_kwargs = (
             {"imbalance_threshold": cluster.imbalance_threshold} if cluster.request_router == "prefix-affinity" else {}
         )
@@ -130,8 +130,9 @@ class RayEngineFactory:
             EngineReplica,
             name=DEPLOYMENT_NAME,
             num_replicas=spec.replicas,
-            # the engine queues what it cannot run yet; the front end's admission control bounds the rest
-            max_ongoing_requests=max(2 * scheduler.max_num_seqs, 16),
+            # calls, not requests: a short `add` each, one long `outputs` stream per front end; the engine
+            # queues what it cannot run yet and the front end's admission control bounds that
+            max_ongoing_requests=MAX_ONGOING_CALLS,
             ray_actor_options=self._actor_options(),
             request_router_config=RequestRouterConfig(
                 request_router_class=ROUTER_CLASSES[cluster.request_router],
@@ -166,15 +167,16 @@ def _app_safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
-def _replica_actors(app_name: str) -> list:
+def _replica_actors(app_name: str) -> dict:
+    """Replica id -> Ray actor handle of the application's live replicas (NOTE: Serve's actor names)."""
     import ray
 
     prefix = f"{REPLICA_ACTOR_PREFIX}{app_name}#{DEPLOYMENT_NAME}#"
-    actors = []
+    actors = {}
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry["namespace"] == SERVE_NAMESPACE and entry["name"].startswith(prefix):
             try:
-                actors.append(ray.get_actor(entry["name"], namespace=SERVE_NAMESPACE))
+                actors[entry["name"][len(prefix) :]] = ray.get_actor(entry["name"], namespace=SERVE_NAMESPACE)
             except ValueError:
                 continue  # gone since it was listed
     return actors

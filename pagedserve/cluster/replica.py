@@ -1,7 +1,12 @@
 """EngineReplica: one engine as a Ray Serve replica. It builds an engine core (the paged engine steps in
-a spawned child process; ``--engine hf`` in a thread), warms it up before Serve routes to it, and streams
-each request's engine-core outputs back as ``ReplicaChunk`` batches. A cancelled stream (the client went
-away) aborts its request; a dead engine core fails the health check, so Serve replaces the replica.
+a spawned child process; ``--engine hf`` in a thread) and warms it up before Serve routes to it.
+
+Requests arrive one unary ``add`` call each (the request router picks the replica); their outputs leave
+through one long-lived ``outputs`` stream per front end (``subscriber``): one batch per engine step for
+all of that front end's requests on this replica, not one message per request and token. ``abort`` and
+``stop`` are sent to the replica that holds the request. A front end whose stream goes away has its
+requests aborted; a dead engine core ends every stream and fails the health check, so Serve replaces
+the replica.
 """
 
 from __future__ import annotations
@@ -19,15 +24,16 @@ from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, 
 logger = logging.getLogger("pagedserve.replica")
 
 
-class _RequestBox:
-    """One request's outputs not yet streamed, and a wake-up for its stream."""
+class _SubscriberBox:
+    """Outputs not yet streamed to one front end, and the wake-up of its stream."""
 
-    __slots__ = ("outputs", "ready", "error")
+    __slots__ = ("outputs", "ready", "error", "streaming")
 
     def __init__(self) -> None:
         self.outputs: list[EngineCoreOutput] = []
         self.ready = asyncio.Event()
         self.error: BaseException | None = None
+        self.streaming = False
 
     async def take(self) -> list[EngineCoreOutput]:
         while not self.outputs and self.error is None:
@@ -79,29 +85,51 @@ class EngineReplica:
         )
         await self._core.warmup()
         await self._core.start()
-        self._boxes: dict[str, _RequestBox] = {}
+        self._boxes: dict[str, _SubscriberBox] = {}
+        self._owner: dict[str, str] = {}  # request id -> subscriber
+        self._remaining: dict[str, int] = {}  # request id -> samples not finished
         self._dispatcher = asyncio.create_task(self._dispatch(), name="replica-dispatch")
         logger.info("replica %s of %r ready (engine pid %d)", self._replica_id, spec.name, self._core.pid)
 
-    # ----------------------------------------------------------------- the streaming call
-    async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[ReplicaChunk, None]:
-        """Stream one request's outputs until every sample finished; abort it if the caller goes away."""
+    # ----------------------------------------------------------------- calls from the front end
+    async def add(self, request: EngineCoreRequest, subscriber: str, loads: dict | None = None) -> str:
+        """Queue a request whose outputs go to ``subscriber``'s stream; returns this replica's id.
+
+        ``loads`` is the front end's count of requests per replica, read by the request router only.
+        """
         if self._core.is_dead:
             raise EngineDeadError(f"the engine core of replica {self._replica_id} is dead")
         request_id = request.request_id
-        box = _RequestBox()
-        self._boxes[request_id] = box
-        remaining = request.sampling_params.n
+        self._box(subscriber)
+        self._owner[request_id] = subscriber
+        self._remaining[request_id] = request.sampling_params.n
+        await self._core.add_request(request)
+        return self._replica_id
+
+    async def outputs(self, subscriber: str, target_replica: str | None = None) -> AsyncGenerator[ReplicaChunk, None]:
+        """Stream ``subscriber``'s outputs, one batch per engine step, until it goes away (then its
+        requests here are aborted)."""
+        box = self._box(subscriber)
+        box.streaming = True
         try:
-            await self._core.add_request(request)
-            while remaining > 0:
-                outputs = await box.take()
-                remaining -= sum(1 for output in outputs if output.finish_reason is not None)
-                yield ReplicaChunk(self._replica_id, outputs)
+            while True:
+                yield ReplicaChunk(self._replica_id, await box.take())
         finally:
-            self._boxes.pop(request_id, None)
-            if remaining > 0 and not self._core.is_dead:
-                await self._core.abort_requests([request_id])
+            self._boxes.pop(subscriber, None)
+            orphans = [request_id for request_id, owner in self._owner.items() if owner == subscriber]
+            if orphans and not self._core.is_dead:
+                await self.abort(orphans)
+
+    async def abort(self, request_ids: list[str], target_replica: str | None = None) -> None:
+        for request_id in request_ids:
+            self._owner.pop(request_id, None)
+            self._remaining.pop(request_id, None)
+        if not self._core.is_dead:
+            await self._core.abort_requests(list(request_ids))
+
+    async def stop(self, samples: list[tuple[str, int]], target_replica: str | None = None) -> None:
+        if not self._core.is_dead:
+            await self._core.stop_samples(list(samples))
 
     async def model_info(self) -> ModelInfo:
         return self._core.model_info
@@ -127,18 +155,37 @@ class EngineReplica:
             await core.shutdown()
 
     # ----------------------------------------------------------------- internals
+    def _box(self, subscriber: str) -> _SubscriberBox:
+        box = self._boxes.get(subscriber)
+        if box is None:
+            box = self._boxes[subscriber] = _SubscriberBox()
+        return box
+
     async def _dispatch(self) -> None:
-        boxes = self._boxes
+        boxes, owner, remaining = self._boxes, self._owner, self._remaining
         try:
             while True:
+                woken = set()
                 for output in await self._core.get_outputs():
-                    box = boxes.get(output.request_id)
-                    if box is not None:
-                        box.outputs.append(output)
-                        box.ready.set()
+                    request_id = output.request_id
+                    subscriber = owner.get(request_id)
+                    box = boxes.get(subscriber) if subscriber is not None else None
+                    if box is None:
+                        continue
+                    box.outputs.append(output)
+                    woken.add(subscriber)
+                    if output.finish_reason is not None:
+                        left = remaining.get(request_id, 1) - 1
+                        if left <= 0:
+                            owner.pop(request_id, None)
+                            remaining.pop(request_id, None)
+                        else:
+                            remaining[request_id] = left
+                for subscriber in woken:
+                    boxes[subscriber].ready.set()
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # noqa: BLE001 - the core died: fail every stream, the health check follows
+        except BaseException as exc:  # noqa: BLE001 - the core died: end every stream, the health check follows
             logger.error("replica %s: engine core failed: %r", self._replica_id, exc)
             for box in boxes.values():
                 box.error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(repr(exc))

@@ -86,9 +86,9 @@ def test_router_counters_count_affinity_hits_per_family() -> None:
     def request(tokens: list[int]) -> EngineCoreRequest:
         return EngineCoreRequest("r", tokens, params, 0.0)
 
-    counters.record_first_chunk(request(family(7) + [1]), "a", {"a", "b"})  # first of its family: no query
-    counters.record_first_chunk(request(family(7) + [2]), "a", {"a", "b"})  # same replica: a hit
-    counters.record_first_chunk(request(family(7) + [3]), "b", {"a", "b"})  # another replica: a miss
+    counters.record_routed(request(family(7) + [1]), "a", {"a", "b"})  # first of its family: no query
+    counters.record_routed(request(family(7) + [2]), "a", {"a", "b"})  # same replica: a hit
+    counters.record_routed(request(family(7) + [3]), "b", {"a", "b"})  # another replica: a miss
     assert (counters.prefix_queries, counters.prefix_hits) == (2, 1)
     assert counters.requests == {"a": 2, "b": 1}
 
