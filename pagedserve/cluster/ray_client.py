@@ -30,49 +30,73 @@ RETRY_BACKOFF_S = 0.2  # doubled per attempt: Serve needs a moment to drop a dea
 STATUS_POLL_INTERVAL_S = 1.0
 
 
-class _Stream:
-    """One request on the cluster: what the client has been sent so far, per sample."""
+class _Part:
+    """One engine request carrying samples of a stream: all of them (``index`` None, outputs keep their
+    index), or one resumed sample ``index`` (sent with n = 1: its index 0 is that sample)."""
 
-    __slots__ = ("request", "tokens", "finished", "replica_id", "attempt", "attempt_id", "ended")
+    __slots__ = ("request", "index", "replica_id")
+
+    def __init__(self, request: EngineCoreRequest, index: int | None) -> None:
+        self.request = request
+        self.index = index
+        self.replica_id: str | None = None  # where it runs, once placed
+
+    @property
+    def attempt_id(self) -> str:
+        return self.request.request_id
+
+
+class _Stream:
+    """One request on the cluster: what the client has been sent so far per sample, and its parts."""
+
+    __slots__ = ("request", "tokens", "finished", "parts", "attempt", "ended", "_next_id")
 
     def __init__(self, request: EngineCoreRequest) -> None:
         self.request = request
         n = request.sampling_params.n
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.finished: set[int] = set()
-        self.replica_id: str | None = None  # where the current attempt runs, once placed
-        self.attempt = 0
-        self.attempt_id = request.request_id
+        self.parts: dict[str, _Part] = {}  # attempt id -> part in flight
+        self.attempt = 0  # failures survived so far
         self.ended = False  # finished, aborted or failed: nothing more goes to the client
+        self._next_id = 0
 
     @property
     def done(self) -> bool:
         return len(self.finished) == len(self.tokens)
 
-    def attempt_request(self) -> EngineCoreRequest:
-        """The request for the current attempt: as sent, or resumed after what was delivered."""
-        request = self.request
-        if self.attempt == 0:
-            return request
-        request_id = f"{request.request_id}~{self.attempt}"
-        delivered = self.tokens[0] if len(self.tokens) == 1 else []
-        if any(self.tokens) and len(self.tokens) > 1:
-            raise EngineDeadError("a replica failed while streaming n > 1 samples; they cannot be resumed")
-        if not delivered:
-            return dataclasses.replace(request, request_id=request_id)
+    def first_part(self) -> _Part:
+        return _Part(self.request, None)
+
+    def parts_after_failure(self, failed: _Part) -> list[_Part]:
+        """What replaces ``failed``: the same request again if nothing of it was delivered, else each of its
+        unfinished samples resumed from its prompt plus the tokens already delivered."""
+        indices = range(len(self.tokens)) if failed.index is None else [failed.index]
+        unfinished = [index for index in indices if index not in self.finished]
+        if failed.index is None and not any(self.tokens[index] for index in unfinished):
+            return [_Part(dataclasses.replace(self.request, request_id=self._attempt_id()), None)]
+        return [_Part(self._resumed(index), index) for index in unfinished]
+
+    def _resumed(self, index: int) -> EngineCoreRequest:
+        request, delivered = self.request, self.tokens[index]
         params = request.sampling_params
         resumed = dataclasses.replace(
             params,
+            n=1,
             max_tokens=None if params.max_tokens is None else params.max_tokens - len(delivered),
             min_tokens=max(0, params.min_tokens - len(delivered)),
             prompt_logprobs=None,  # sent with the first token already
         )
         return dataclasses.replace(
             request,
-            request_id=request_id,
+            request_id=self._attempt_id(),
             prompt_token_ids=request.prompt_token_ids + delivered,
             sampling_params=resumed,
         )
+
+    def _attempt_id(self) -> str:
+        self._next_id += 1
+        return f"{self.request.request_id}~{self._next_id}"
 
 
 class RouterCounters:
@@ -121,8 +145,8 @@ class RayEngineCoreClient(EngineCoreClient):
         self._list_replica_actors = list_replica_actors
         self._on_shutdown = on_shutdown
         self._streams: dict[str, _Stream] = {}  # request id -> stream
-        self._by_attempt: dict[str, _Stream] = {}  # the request id an attempt was sent with -> stream
-        self._on_replica: dict[str, set[str]] = {}  # replica id -> request ids placed there
+        self._by_attempt: dict[str, tuple[_Stream, _Part]] = {}  # the request id a part was sent with
+        self._on_replica: dict[str, set[str]] = {}  # replica id -> the parts (their request ids) placed there
         self._subscriptions: dict[str, asyncio.Task] = {}  # replica id -> the task reading its output stream
         self._tasks: set[asyncio.Task] = set()
         self._pending: list[EngineCoreOutput] = []
@@ -164,7 +188,7 @@ class RayEngineCoreClient(EngineCoreClient):
             raise EngineDeadError("the engine replicas are shutting down")
         stream = _Stream(request)
         self._streams[request.request_id] = stream
-        self._spawn(self._place(stream))
+        self._spawn(self._place(stream, stream.first_part()))
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -173,7 +197,7 @@ class RayEngineCoreClient(EngineCoreClient):
                 self._end(stream, abort_on_replica=True)
 
     async def stop_samples(self, samples: list[tuple[str, int]]) -> None:
-        """Stop strings matched in the front end: end the request once all its samples are done."""
+        """Stop strings matched in the front end: stop those samples; end the request once all are done."""
         for request_id, index in samples:
             stream = self._streams.get(request_id)
             if stream is None:
@@ -181,8 +205,15 @@ class RayEngineCoreClient(EngineCoreClient):
             stream.finished.add(index)
             if stream.done:
                 self._end(stream, abort_on_replica=True)
-            elif stream.replica_id is not None:
-                call = self._stop.remote([(stream.attempt_id, index)], target_replica=stream.replica_id)
+                continue
+            for part in list(stream.parts.values()):
+                if part.replica_id is None or part.index not in (None, index):
+                    continue
+                if part.index is None:
+                    call = self._stop.remote([(part.attempt_id, index)], target_replica=part.replica_id)
+                else:
+                    self._drop_part(stream, part)
+                    call = self._abort.remote([part.attempt_id], target_replica=part.replica_id)
                 self._spawn(_with_timeout(call))
 
     async def get_outputs(self) -> list[EngineCoreOutput]:
@@ -194,36 +225,35 @@ class RayEngineCoreClient(EngineCoreClient):
         return outputs
 
     # ----------------------------------------------------------------- placing a request on a replica
-    async def _place(self, stream: _Stream) -> None:
-        """Send the stream's current attempt through the router (retrying while replicas fail)."""
+    async def _place(self, stream: _Stream, part: _Part) -> None:
+        """Send one part through the router (retrying while replicas fail)."""
         while not stream.ended:
+            stream.parts[part.attempt_id] = part
+            self._by_attempt[part.attempt_id] = (stream, part)  # before the call: outputs may come first
             try:
-                attempt = stream.attempt_request()
-            except EngineDeadError as exc:
-                self._fail(stream, exc)
-                return
-            stream.attempt_id = attempt.request_id
-            self._by_attempt[attempt.request_id] = stream  # before the call: outputs may come first
-            try:
-                replica_id = await self._add.remote(attempt, self._subscriber, loads=self._loads())
+                replica_id = await self._add.remote(part.request, self._subscriber, loads=self._loads())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - no replica took it: try again, then give up
-                self._by_attempt.pop(attempt.request_id, None)
-                if not await self._next_attempt(stream, exc):
+                self._drop_part(stream, part)
+                if not await self._next_attempt(stream, exc, None):
                     return
+                replacements = stream.parts_after_failure(part)
+                part = replacements[0]
+                for other in replacements[1:]:
+                    self._spawn(self._place(stream, other))
                 continue
-            if stream.ended:  # aborted or finished while the call was in flight
-                self._spawn(_with_timeout(self._abort.remote([attempt.request_id], target_replica=replica_id)))
+            if stream.ended or part.attempt_id not in stream.parts:  # ended or stopped while in flight
+                self._spawn(_with_timeout(self._abort.remote([part.attempt_id], target_replica=replica_id)))
                 return
-            stream.replica_id = replica_id
-            self._on_replica.setdefault(replica_id, set()).add(stream.request.request_id)
-            if stream.attempt == 0:
+            part.replica_id = replica_id
+            self._on_replica.setdefault(replica_id, set()).add(part.attempt_id)
+            if stream.attempt == 0 and part.index is None:
                 self.counters.record_routed(stream.request, replica_id, set(self._statuses))
             self._subscribe(replica_id)
             return
 
-    async def _next_attempt(self, stream: _Stream, exc: BaseException) -> bool:
+    async def _next_attempt(self, stream: _Stream, exc: BaseException, replica_id: str | None) -> bool:
         """Count and wait before the stream's next attempt; False (the stream failed) past MAX_ATTEMPTS."""
         if self._closed or stream.ended:
             return False
@@ -238,13 +268,12 @@ class RayEngineCoreClient(EngineCoreClient):
         logger.warning(
             "request %s: replica %s failed (%s); %s",
             stream.request.request_id,
-            stream.replica_id,
+            replica_id,
             type(exc).__name__,
             "resuming it on another replica" if started else "retrying it",
         )
         await asyncio.sleep(RETRY_BACKOFF_S * (2**stream.attempt))
         stream.attempt += 1
-        stream.replica_id = None
         return not stream.ended
 
     # ----------------------------------------------------------------- the replicas' output streams
@@ -271,24 +300,37 @@ class RayEngineCoreClient(EngineCoreClient):
     def _replica_failed(self, replica_id: str, error: BaseException) -> None:
         self._subscriptions.pop(replica_id, None)
         self._statuses.pop(replica_id, None)
-        for request_id in self._on_replica.pop(replica_id, set()):
-            stream = self._streams.get(request_id)
-            if stream is None or stream.ended:
+        failed: dict[str, tuple[_Stream, list[_Part]]] = {}
+        for attempt_id in self._on_replica.pop(replica_id, set()):
+            entry = self._by_attempt.get(attempt_id)
+            if entry is None or entry[0].ended:
                 continue
-            self._by_attempt.pop(stream.attempt_id, None)
-            self._spawn(self._resume(stream, error))
+            stream, part = entry
+            self._drop_part(stream, part)
+            failed.setdefault(stream.request.request_id, (stream, []))[1].append(part)
+        for stream, parts in failed.values():
+            self._spawn(self._resume(stream, parts, error, replica_id))
 
-    async def _resume(self, stream: _Stream, error: BaseException) -> None:
-        if await self._next_attempt(stream, error):
-            await self._place(stream)
+    async def _resume(self, stream: _Stream, failed: list[_Part], error: BaseException, replica_id: str) -> None:
+        if not await self._next_attempt(stream, error, replica_id):
+            return
+        replacements = [new for part in failed for new in stream.parts_after_failure(part)]
+        await asyncio.gather(*(self._place(stream, part) for part in replacements))
 
     def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
         now = time.monotonic()
         delivered = False
         for output in outputs:
-            stream = self._by_attempt.get(output.request_id)
-            if stream is None or stream.ended:
-                continue  # aborted, or from an attempt given up
+            entry = self._by_attempt.get(output.request_id)
+            if entry is None:
+                continue  # aborted, stopped, or from a part given up
+            stream, part = entry
+            if stream.ended:
+                continue
+            if part.index is not None:
+                output.index = part.index
+            if output.index in stream.finished:
+                continue  # stopped by a stop string
             output.request_id = stream.request.request_id
             if output.first_scheduled_time is not None:
                 output.first_scheduled_time = min(output.first_scheduled_time, now)
@@ -299,22 +341,28 @@ class RayEngineCoreClient(EngineCoreClient):
                 stream.finished.add(output.index)
                 if stream.done:
                     self._end(stream, abort_on_replica=False)
+                elif part.index is not None:
+                    self._drop_part(stream, part)
         if delivered and self._wake is not None:
             self._wake.set()
 
     # ----------------------------------------------------------------- endings
+    def _drop_part(self, stream: _Stream, part: _Part) -> None:
+        stream.parts.pop(part.attempt_id, None)
+        self._by_attempt.pop(part.attempt_id, None)
+        if part.replica_id is not None:
+            placed = self._on_replica.get(part.replica_id)
+            if placed is not None:
+                placed.discard(part.attempt_id)
+
     def _end(self, stream: _Stream, abort_on_replica: bool) -> None:
         stream.ended = True
-        request_id = stream.request.request_id
-        self._streams.pop(request_id, None)
-        self._by_attempt.pop(stream.attempt_id, None)
-        replica_id = stream.replica_id
-        if replica_id is not None:
-            placed = self._on_replica.get(replica_id)
-            if placed is not None:
-                placed.discard(request_id)
-            if abort_on_replica:
-                self._spawn(_with_timeout(self._abort.remote([stream.attempt_id], target_replica=replica_id)))
+        self._streams.pop(stream.request.request_id, None)
+        for part in list(stream.parts.values()):
+            self._drop_part(stream, part)
+            if abort_on_replica and part.replica_id is not None:
+                call = self._abort.remote([part.attempt_id], target_replica=part.replica_id)
+                self._spawn(_with_timeout(call))
 
     def _fail(self, stream: _Stream, exc: BaseException) -> None:
         self.counters.failed += 1

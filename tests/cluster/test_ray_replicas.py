@@ -54,12 +54,19 @@ class Cluster:
         return f"req-{self._ids}"
 
     async def complete(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], str]:
-        tokens: list[int] = []
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        [(tokens, reason)] = await self.complete_n(token_ids, max_tokens, 1)
+        return tokens, reason
+
+    async def complete_n(self, token_ids: list[int], max_tokens: int, n: int) -> list[tuple[list[int], str]]:
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        reasons: list[str] = [""] * n
+        params = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         async for output in self.llm.generate(token_ids, params, self.request_id()):
-            tokens.extend(output.outputs[0].token_ids)
-            reason = output.outputs[0].finish_reason
-        return tokens, reason.value
+            for sample in output.outputs:
+                tokens[sample.index].extend(sample.token_ids)
+                if sample.finish_reason is not None:
+                    reasons[sample.index] = sample.finish_reason.value
+        return list(zip(tokens, reasons))
 
     async def until(self, condition, timeout: float = 60.0) -> None:
         async with asyncio.timeout(timeout):
@@ -157,11 +164,11 @@ def test_a_killed_replica_loses_no_stream(cluster: Cluster) -> None:
     resumes, failed = counters.resumes, counters.failed
 
     async def kill_mid_stream() -> list:
-        tasks = [asyncio.create_task(cluster.complete(ids, 160)) for _ in range(6)]
+        tasks = [asyncio.create_task(cluster.complete_n(ids, 160, n)) for n in (1, 1, 1, 1, 1, 2, 2)]
 
         def all_streaming() -> bool:
             statuses = cluster.core.replica_statuses()
-            return sum(s.stats.num_running for s in statuses) >= 6
+            return sum(s.stats.num_running for s in statuses) >= 9  # every sample
 
         await asyncio.sleep(1.5)
         await cluster.until(all_streaming)
@@ -170,9 +177,9 @@ def test_a_killed_replica_loses_no_stream(cluster: Cluster) -> None:
         os.kill(replica_actor.pid, signal.SIGKILL)
         return await asyncio.gather(*tasks)
 
-    results = cluster.run(kill_mid_stream())
-    assert [reason for _, reason in results] == ["length"] * 6
-    assert all(tokens == reference for tokens, _ in results)
+    results = [sample for samples in cluster.run(kill_mid_stream()) for sample in samples]
+    assert [reason for _, reason in results] == ["length"] * 9
+    assert all(tokens == reference for tokens, _ in results)  # n = 2 samples resumed one by one too
     assert counters.resumes - resumes >= 1
     assert counters.failed == failed
     cluster.run(cluster.until(lambda: len(cluster.core.replica_statuses()) == 2, timeout=120))  # Serve replaced it
