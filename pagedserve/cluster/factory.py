@@ -64,7 +64,8 @@ class RayEngineFactory:
         deployment = self._deployment(spec)
         logger.info("deploying %d replica(s) of %r as Ray Serve application %r", spec.replicas, spec.name, app_name)
         try:
-            handle = serve.run(deployment.bind(self._replica_spec(spec)), name=app_name, route_prefix=None)
+            replica_args = (self._replica_spec(spec), self.cluster.cpus_per_replica)
+            handle = serve.run(deployment.bind(*replica_args), name=app_name, route_prefix=None)
             model_info = handle.model_info.remote().result()
         except BaseException as exc:
             _delete_app(app_name)

@@ -65,10 +65,35 @@ def _bind_replica_grpc_to_loopback() -> None:
     serve_replica.add_port_to_grpc_server = bind_loopback
 
 
+def _replica_cpus(rank, cpus_per_replica: float) -> list[int] | None:
+    """The cores this replica's engine is pinned to: ``cpus_per_replica`` of them from the replica's rank
+    on its node (``local_rank``); None (not pinned) for a fractional share or more than the node has."""
+    count = int(cpus_per_replica)
+    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if count != cpus_per_replica or count < 1 or count > len(available) or rank is None:
+        return None
+    first = (getattr(rank, "local_rank", 0) * count) % len(available)
+    return [available[(first + k) % len(available)] for k in range(count)]
+
+
+def _start_engine_core(spec: ModelSpec, cpus: list[int] | None):
+    """Build the engine core (blocking; in a worker thread). The paged engine's process is spawned from this
+    thread, so it inherits the thread's CPU mask: pinning the thread first pins every engine thread."""
+    core_kind = "thread" if spec.engine == "hf" else "process"
+    if not cpus:
+        return make_engine_core_client(spec.engine_config, engine=spec.engine, core=core_kind, start_method="spawn")
+    mask = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)  # this thread only (Linux)
+    try:
+        return make_engine_core_client(spec.engine_config, engine=spec.engine, core=core_kind, start_method="spawn")
+    finally:
+        os.sched_setaffinity(0, mask)
+
+
 class EngineReplica:
     """The body of an engine deployment (``factory.py`` wraps it with ``serve.deployment``)."""
 
-    async def __init__(self, spec: ModelSpec) -> None:
+    async def __init__(self, spec: ModelSpec, cpus_per_replica: float = 0.0) -> None:
         import ray
         from ray import serve
 
@@ -79,17 +104,17 @@ class EngineReplica:
         self._node = next(
             (node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id), node_id
         )  # the address the node advertises to the cluster
-        core_kind = "thread" if spec.engine == "hf" else "process"
-        self._core = await asyncio.to_thread(
-            make_engine_core_client, spec.engine_config, engine=spec.engine, core=core_kind, start_method="spawn"
-        )
+        cpus = _replica_cpus(serve.get_replica_context().rank, cpus_per_replica)
+        self._core = await asyncio.to_thread(_start_engine_core, spec, cpus)
         await self._core.warmup()
         await self._core.start()
         self._boxes: dict[str, _SubscriberBox] = {}
         self._owner: dict[str, str] = {}  # request id -> subscriber
         self._remaining: dict[str, int] = {}  # request id -> samples not finished
         self._dispatcher = asyncio.create_task(self._dispatch(), name="replica-dispatch")
-        logger.info("replica %s of %r ready (engine pid %d)", self._replica_id, spec.name, self._core.pid)
+        logger.info(
+            "replica %s of %r ready (engine pid %d, cores %s)", self._replica_id, spec.name, self._core.pid, cpus
+        )
 
     # ----------------------------------------------------------------- calls from the front end
     async def add(self, request: EngineCoreRequest, subscriber: str, loads: dict | None = None) -> str:

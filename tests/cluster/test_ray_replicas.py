@@ -157,6 +157,14 @@ def test_ray_listens_on_loopback_only(cluster: Cluster) -> None:
     assert all(ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback for ip, _ in listening), listening
 
 
+def test_each_replica_engine_is_pinned_to_its_own_cores(cluster: Cluster) -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores for two one-core replicas")
+    masks = [frozenset(psutil.Process(status.pid).cpu_affinity()) for status in cluster.core.replica_statuses()]
+    assert len(masks) == 2 and all(len(mask) == 1 for mask in masks)  # --cpus-per-replica 1
+    assert masks[0] != masks[1]
+
+
 def test_a_killed_replica_loses_no_stream(cluster: Cluster) -> None:
     ids = prompt(cluster, "Write a long story about a lighthouse keeper.")
     reference, _ = cluster.run(cluster.complete(ids, 160))
