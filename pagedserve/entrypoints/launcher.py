@@ -1,5 +1,6 @@
-"""Serving the app: bind early, load the engine, run uvicorn, drain on SIGTERM, and exit non-zero
-when the engine core dies. ``run_server(ServerConfig)`` is ``pagedserve serve``'s composition root.
+"""Serving the app: bind early, load the engines (local cores, or replicas on Ray), run uvicorn, drain on
+SIGTERM, and exit non-zero when a current engine core dies. ``run_server(ServerConfig)`` is
+``pagedserve serve``'s composition root.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from pagedserve import __version__
-from pagedserve.engine.core_client import make_engine_core_client
+from pagedserve.engine.core_client import EngineCoreClient
 from pagedserve.entrypoints.api_server import build_app
 from pagedserve.entrypoints.context import ServerContext, build_context
+from pagedserve.entrypoints.engine_factory import EngineFactory, LocalEngineFactory
 from pagedserve.entrypoints.http_protocol import http_protocol
-from pagedserve.entrypoints.server_config import HTTPOptions, ServerConfig
+from pagedserve.entrypoints.server_config import ServerConfig
 from pagedserve.gc_heap import freeze_heap
 from pagedserve.messages import ModelInfo
 from pagedserve.tokenizer import load_tokenizer, tokenizer_path
@@ -61,12 +63,12 @@ class _Server(uvicorn.Server):
 
     async def _drain(self) -> None:
         state = self.context.state
-        engine = self.context.engine
+        context = self.context
         deadline = time.monotonic() + self.shutdown_timeout
-        while time.monotonic() < deadline and (state.in_flight > 0 or engine.num_unfinished_requests > 0):
+        while time.monotonic() < deadline and (state.in_flight > 0 or context.num_unfinished_requests > 0):
             await asyncio.sleep(0.05)
-        if engine.num_unfinished_requests:
-            logger.warning("Drain timeout: aborting %d unfinished requests", engine.num_unfinished_requests)
+        if context.num_unfinished_requests:
+            logger.warning("Drain timeout: aborting %d unfinished requests", context.num_unfinished_requests)
         self.should_exit = True
 
     def on_engine_dead(self, error: BaseException) -> None:
@@ -120,7 +122,7 @@ async def serve_app(app: FastAPI, context: ServerContext, sock: socket.socket) -
         log_config=None,
     )
     server = _Server(config, context)
-    context.engine.on_dead(server.on_engine_dead)
+    context.on_engine_dead = server.on_engine_dead  # a current engine only (ServerContext decides)
     context.on_fatal = server.fatal
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -144,18 +146,46 @@ def run_server(config: ServerConfig) -> int:
     sock = bind_socket(config.host, config.port)
     load_start = time.perf_counter()
     freeze_heap("server, start-up")  # before an engine core process forks
-    core = make_engine_core_client(
-        config.engine_config, engine=config.engine, core=config.engine_core, close_fds=(sock.fileno(),)
-    )
-    tokenizer = load_tokenizer(tokenizer_path(config.engine_config.model))
-    context = build_context(config, core, tokenizer)
+    factory = make_engine_factory(config, close_fds=(sock.fileno(),))
+    cores: list[EngineCoreClient] = []
+    try:
+        for spec in config.models:  # every local core forks here, before any thread of this process
+            cores.append(factory.create(spec, at_startup=True))
+        tokenizers = [load_tokenizer(tokenizer_path(spec.engine_config.model)) for spec in config.models]
+    except BaseException:
+        _shutdown_cores(cores)
+        factory.close()
+        raise
+    context = build_context(config, factory, cores, tokenizers)
     app = build_app(context)
     url = f"http://{'[' + config.host + ']' if ':' in config.host else config.host}:{sock.getsockname()[1]}"
+    default = context.registry.default
     context.on_ready = functools.partial(
-        _on_ready, url, core.model_info, context.models.names, options, time.perf_counter() - load_start
+        _on_ready,
+        url,
+        default.core.model_info,
+        tuple(context.registry.served_names()),
+        config,
+        time.perf_counter() - load_start,
     )
     with asyncio.Runner(loop_factory=event_loop_factory(options.event_loop)) as runner:
         return runner.run(serve_app(app, context, sock))
+
+
+def make_engine_factory(config: ServerConfig, close_fds: tuple[int, ...]) -> EngineFactory:
+    """Local engine cores, or replicas on Ray when ``config.cluster`` is set (imported only then)."""
+    if config.cluster is None:
+        return LocalEngineFactory(config.engine_core, close_fds)
+    from pagedserve.cluster.factory import RayEngineFactory
+
+    return RayEngineFactory(config.cluster)
+
+
+def _shutdown_cores(cores: list[EngineCoreClient]) -> None:
+    """The cores built before start-up failed (none started yet)."""
+    for core in cores:
+        with contextlib.suppress(Exception):
+            asyncio.run(core.shutdown())
 
 
 def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -175,22 +205,25 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
     return uvloop.new_event_loop
 
 
-def _on_ready(url: str, info: ModelInfo, names: tuple[str, ...], options: HTTPOptions, load_s: float) -> None:
+def _on_ready(url: str, info: ModelInfo, names: tuple[str, ...], config: ServerConfig, load_s: float) -> None:
     """Warmed up and serving: print the banner, then freeze what start-up left alive (``gc_heap``)."""
-    _print_banner(url, info, names, options, load_s)
+    _print_banner(url, info, names, config, load_s)
     freeze_heap("server, ready")
 
 
-def _print_banner(url: str, info: ModelInfo, names: tuple[str, ...], options: HTTPOptions, load_s: float) -> None:
+def _print_banner(url: str, info: ModelInfo, names: tuple[str, ...], config: ServerConfig, load_s: float) -> None:
     kv = (
         f"{info.num_kv_blocks} blocks x {info.block_size} tokens = {info.num_kv_blocks * info.block_size} tokens"
         if info.num_kv_blocks
         else "not paged (--engine hf)"
     )
+    served = f"{names[0]!r}" if len(names) == 1 else f"{len(names)} names ({', '.join(map(repr, names))})"
     lines = [
-        f"pagedserve {__version__} serving {names[0]!r} ({info.engine_name} engine) on {url}",
+        f"pagedserve {__version__} serving {served} ({info.engine_name} engine) on {url}",
         f"  OpenAI API: {url}/v1   TGI API: {url}/generate   docs: {url}/docs   metrics: {url}/metrics",
         f"  context: {info.max_model_len} tokens   KV cache: {kv}",
-        f"  API key: {'required' if options.api_keys else 'none'}   model loaded in {load_s:.1f} s",
+        f"  API key: {'required' if config.http.api_keys else 'none'}   "
+        f"admin API: {'on' if config.admin_key else 'off'}   "
+        f"engines: {'Ray' if config.cluster is not None else 'local'}   model loaded in {load_s:.1f} s",
     ]
     logger.info("\n%s", "\n".join(lines))

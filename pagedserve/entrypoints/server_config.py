@@ -1,11 +1,12 @@
-"""ServerConfig: what ``pagedserve serve`` runs with (address, engine and core, HTTP options, the
-EngineConfig, served names), frozen and built once from the command line by ``cli_args``."""
+"""ServerConfig: what ``pagedserve serve`` runs with (address, the served models and their engine core,
+HTTP options, the admin key, the cluster or none), frozen and built once from the command line by
+``cli_args``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import ClusterConfig, EngineConfig, ModelSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,23 +34,56 @@ class HTTPOptions:
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """One server process: where it listens, which engine it runs, and how it serves HTTP."""
+    """One server process: where it listens, which models it serves (the first is the default), how their
+    engines run (local cores, or replicas on Ray when ``cluster`` is set) and how it serves HTTP.
 
-    engine_config: EngineConfig
+    ``served_model_names`` are extra names (aliases) of the single model (``--served-model-name``);
+    with several models each is known by its ``ModelSpec.name`` only.
+    """
+
+    models: tuple[ModelSpec, ...]
     host: str = "127.0.0.1"
     port: int = 8000
-    engine: str = "paged"  # paged | hf
-    engine_core: str = "process"  # process | thread
+    engine_core: str = "process"  # process | thread (local cores)
     served_model_names: tuple[str, ...] = ()  # empty: the model's own name
+    admin_key: str | None = None  # None: no admin API
+    cluster: ClusterConfig | None = None  # None: one process, no Ray
     http: HTTPOptions = field(default_factory=HTTPOptions)
 
-    @property
-    def max_running_requests(self) -> int:
-        """What the engine runs at once: max_num_seqs for the paged engine, one for ``--engine hf``."""
-        return self.engine_config.scheduler.max_num_seqs if self.engine == "paged" else 1
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("at least one model must be served")
+        names = [spec.name for spec in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique; got {names}")
+        if self.served_model_names and len(self.models) > 1:
+            raise ValueError("--served-model-name names the single model; with several models use NAME=PATH")
 
     @property
-    def admission_capacity(self) -> int | None:
-        """Requests in flight before new ones get 429 (None: unbounded)."""
+    def default_model(self) -> ModelSpec:
+        return self.models[0]
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        """The default model's EngineConfig (every model shares the engine flags)."""
+        return self.models[0].engine_config
+
+    @property
+    def engine(self) -> str:
+        return self.models[0].engine
+
+    def names_of(self, spec: ModelSpec) -> tuple[str, ...]:
+        """The names clients may use for ``spec``: its own, then the aliases of the single model."""
+        if spec is self.models[0] and self.served_model_names:
+            return tuple(dict.fromkeys((spec.name, *self.served_model_names)))
+        return (spec.name,)
+
+    @staticmethod
+    def max_running_requests(spec: ModelSpec) -> int:
+        """What one engine runs at once: max_num_seqs for the paged engine, one for ``--engine hf``."""
+        return spec.engine_config.scheduler.max_num_seqs if spec.engine == "paged" else 1
+
+    def admission_capacity(self, spec: ModelSpec) -> int | None:
+        """Requests of ``spec`` in flight before new ones get 429 (None: unbounded)."""
         queued = self.http.max_queued_requests
-        return None if queued is None else self.max_running_requests + queued
+        return None if queued is None else self.max_running_requests(spec) * spec.replicas + queued

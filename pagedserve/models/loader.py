@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import platform
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,12 +22,12 @@ from transformers import AutoConfig, PretrainedConfig
 from pagedserve.config import ModelConfig
 from pagedserve.models import gguf_loader
 from pagedserve.models.default_model import default_model_path
+from pagedserve.models.names import derive_model_name
 from pagedserve.models.registry import ModelLoadError, get_model_class
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_GGUF_QUANT_SUFFIX = re.compile(r"[.\-_](?:i?q\d\w*|b?f(?:16|32))$", re.IGNORECASE)
 
 
 @dataclass(slots=True)
@@ -226,16 +225,3 @@ def _resolve_max_model_len(requested: int | None, hf_config: PretrainedConfig) -
     if model_len is not None and requested > model_len:
         raise ModelLoadError(f"max_model_len={requested} exceeds the model's context length ({model_len})")
     return requested
-
-
-def derive_model_name(path: str) -> str:
-    """Served name from a path: ``.../SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``,
-    ``.../models--org--name/snapshots/<rev>`` -> ``org/name``, else the directory name."""
-    normalized = os.path.normpath(os.path.abspath(path))
-    match = re.search(r"models--([^/\\]+?)--([^/\\]+)[/\\]snapshots", normalized)
-    if match:
-        return f"{match.group(1)}/{match.group(2)}"
-    base = os.path.basename(normalized)
-    if base.endswith(".gguf"):
-        base = _GGUF_QUANT_SUFFIX.sub("", base[: -len(".gguf")])
-    return base

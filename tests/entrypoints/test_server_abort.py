@@ -15,7 +15,8 @@ from tests.utils import parse_metrics
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-LABEL = f'{{model_name="{MODEL}"}}'
+LABEL = f'{{model_name="{MODEL}"}}'  # per-request series
+ENGINE = f'{{model_name="{MODEL}",replica="0"}}'  # engine-state series: one per replica
 LONG = {"max_tokens": 4000, "min_tokens": 4000, "ignore_eos": True}
 
 
@@ -29,8 +30,8 @@ def wait_idle(server, deadline_s: float = 120.0) -> dict[str, float]:
     while True:
         values = metrics(server)
         idle = (
-            values[f"pagedserve:num_requests_running{LABEL}"] == 0
-            and values[f"pagedserve:num_requests_waiting{LABEL}"] == 0
+            values[f"pagedserve:num_requests_running{ENGINE}"] == 0
+            and values[f"pagedserve:num_requests_waiting{ENGINE}"] == 0
         )
         if idle or time.monotonic() > end:
             return values
@@ -44,15 +45,16 @@ def test_metrics_names_and_counts(server, client):
             model=MODEL, prompt="Tell me about metrics", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
         )
     after = wait_idle(server)
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        assert f"pagedserve:{name}{LABEL}" in after
     for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
         "prefix_cache_queries_total",
         "prefix_cache_hits_total",
         "num_preemptions_total",
-        "prompt_tokens_total",
-        "generation_tokens_total",
     ):
+        assert f"pagedserve:{name}{ENGINE}" in after
+    for name in ("prompt_tokens_total", "generation_tokens_total"):
         assert f"pagedserve:{name}{LABEL}" in after
     for name in (
         "time_to_first_token_seconds",
@@ -84,20 +86,20 @@ def test_metrics_names_and_counts(server, client):
     assert prefill > 0 and decode > 0 and inference == pytest.approx(prefill + decode)  # per request, summed
     assert inference <= delta(f"pagedserve:e2e_request_latency_seconds_sum{LABEL}")
     # one request at a time: a prefill step (the prompt) and 4 one-token decode steps each
-    assert delta(f"pagedserve:iteration_tokens_total_count{LABEL}") == 3 * 5
+    assert delta(f"pagedserve:iteration_tokens_total_count{ENGINE}") == 3 * 5
     assert (
-        delta(f"pagedserve:iteration_tokens_total_sum{LABEL}")
+        delta(f"pagedserve:iteration_tokens_total_sum{ENGINE}")
         == delta(f"pagedserve:prompt_tokens_total{LABEL}") + 3 * 4
     )
-    assert delta(f'pagedserve:iteration_tokens_total_bucket{{le="1.0",model_name="{MODEL}"}}') == 3 * 4
+    assert delta(f'pagedserve:iteration_tokens_total_bucket{{le="1.0",model_name="{MODEL}",replica="0"}}') == 3 * 4
     assert delta(f"pagedserve:prompt_tokens_total{LABEL}") > 0
     busy, forward = (
-        delta(f"pagedserve:engine_busy_seconds_total{LABEL}"),
-        delta(f"pagedserve:model_forward_seconds_total{LABEL}"),
+        delta(f"pagedserve:engine_busy_seconds_total{ENGINE}"),
+        delta(f"pagedserve:model_forward_seconds_total{ENGINE}"),
     )
     assert 0 < forward <= busy  # the forward is part of the busy time, never more
-    forward_cpu = delta(f"pagedserve:model_forward_cpu_seconds_total{LABEL}")
-    assert 0 < forward_cpu <= delta(f"pagedserve:engine_core_cpu_seconds_total{LABEL}")  # CPU of the core's process
+    forward_cpu = delta(f"pagedserve:model_forward_cpu_seconds_total{ENGINE}")
+    assert 0 < forward_cpu <= delta(f"pagedserve:engine_core_cpu_seconds_total{ENGINE}")  # CPU of the core's process
 
 
 def test_streaming_disconnects_free_everything(server):
@@ -106,7 +108,7 @@ def test_streaming_disconnects_free_everything(server):
     Half close the connection after reading a few chunks, half are cancelled by a wall-clock deadline
     (whatever they have read by then); neither depends on how fast the server produces tokens.
     """
-    idle_kv = wait_idle(server)[f"pagedserve:kv_cache_usage_perc{LABEL}"]
+    idle_kv = wait_idle(server)[f"pagedserve:kv_cache_usage_perc{ENGINE}"]
 
     async def one(client: openai.AsyncOpenAI, i: int) -> str:
         messages = [{"role": "user", "content": f"Write a very long story number {i}."}]
@@ -137,9 +139,9 @@ def test_streaming_disconnects_free_everything(server):
     assert "completed" not in outcomes
     assert outcomes.count("cancelled") >= 25
     values = wait_idle(server)
-    assert values[f"pagedserve:num_requests_running{LABEL}"] == 0
-    assert values[f"pagedserve:num_requests_waiting{LABEL}"] == 0
-    assert values[f"pagedserve:kv_cache_usage_perc{LABEL}"] == idle_kv == 0.0
+    assert values[f"pagedserve:num_requests_running{ENGINE}"] == 0
+    assert values[f"pagedserve:num_requests_waiting{ENGINE}"] == 0
+    assert values[f"pagedserve:kv_cache_usage_perc{ENGINE}"] == idle_kv == 0.0
     abort = f'pagedserve:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}'
     assert values[abort] >= 50
     fresh = server.openai_client().completions.create(model=MODEL, prompt="Fresh request:", max_tokens=8)
@@ -158,8 +160,8 @@ def test_non_streaming_disconnect_aborts(server):
                 "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Go on"}], **LONG}, timeout=0.5
             )
     values = wait_idle(server)
-    assert values[f"pagedserve:num_requests_running{LABEL}"] == 0
-    assert values[f"pagedserve:kv_cache_usage_perc{LABEL}"] == 0.0
+    assert values[f"pagedserve:num_requests_running{ENGINE}"] == 0
+    assert values[f"pagedserve:kv_cache_usage_perc{ENGINE}"] == 0.0
     aborted = values[f'pagedserve:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}']
     assert aborted - aborted_before == 6
     assert server.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 3}}).status_code == 200

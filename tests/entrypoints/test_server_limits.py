@@ -142,7 +142,7 @@ def test_request_timeout_aborts(limited):
     response = limited.post("/v1/completions", json=body, headers=auth(KEY_ENV))
     assert response.status_code == 408
     assert response.json()["error"]["code"] == "request_timeout"
-    running = 'pagedserve:num_requests_running{model_name="SmolLM2-135M-Instruct"} 0.0'
+    running = 'pagedserve:num_requests_running{model_name="SmolLM2-135M-Instruct",replica="0"} 0.0'
     for _ in range(300):  # the abort reaches the engine thread asynchronously
         if running in httpx.get(limited.url + "/metrics").text:
             break

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes: thin wrappers over the handlers in the server context."""
+"""The OpenAI-compatible routes: thin wrappers that pick the request's model from the registry (with a
+lease, held until the response has ended) and call its handlers; /v1/models lists every served name."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from pagedserve.entrypoints.context import ServerContext, get_context
+from pagedserve.entrypoints.context import get_context
+from pagedserve.entrypoints.model_serving import ModelServing
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -17,7 +19,7 @@ from pagedserve.entrypoints.openai.protocol import (
 )
 from pagedserve.entrypoints.openai.request_checks import model_not_found
 from pagedserve.entrypoints.serving.errors import json_response
-from pagedserve.entrypoints.serving.routing import JSON_BODY, with_cancellation
+from pagedserve.entrypoints.serving.routing import JSON_BODY, respond_leased, with_cancellation
 
 router = APIRouter()
 
@@ -25,49 +27,53 @@ router = APIRouter()
 @router.post("/v1/completions", dependencies=JSON_BODY)
 @with_cancellation
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-    return await get_context(raw_request).completion.create_completion(request)
+    serving = get_context(raw_request).registry.acquire(request.model)
+    return await respond_leased(serving.release, serving.completion.create_completion(request))
 
 
 @router.post("/v1/chat/completions", dependencies=JSON_BODY)
 @with_cancellation
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-    return await get_context(raw_request).chat.create_chat_completion(request)
+    serving = get_context(raw_request).registry.acquire(request.model)
+    return await respond_leased(serving.release, serving.chat.create_chat_completion(request))
 
 
 @router.post("/tokenize", dependencies=JSON_BODY)
 async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest, raw_request: Request) -> Response:
-    return await get_context(raw_request).tokenization.tokenize_request(request)
+    serving = get_context(raw_request).registry.acquire(request.model)
+    return await respond_leased(serving.release, serving.tokenization.tokenize_request(request))
 
 
 @router.post("/detokenize", dependencies=JSON_BODY)
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
-    return await get_context(raw_request).tokenization.detokenize_request(request)
+    serving = get_context(raw_request).registry.acquire(request.model)
+    return await respond_leased(serving.release, serving.tokenization.detokenize_request(request))
 
 
 @router.get("/v1/models")
 async def show_models(raw_request: Request) -> Response:
-    context = get_context(raw_request)
-    cards = [_model_card(context, name) for name in context.models.names]
+    registry = get_context(raw_request).registry
+    cards = [_model_card(serving, name) for serving in registry.servings() for name in serving.names]
     return json_response({"object": "list", "data": cards})
 
 
 @router.get("/v1/models/{model_id:path}")
 async def show_model(model_id: str, raw_request: Request) -> Response:
     """OpenAI's ``models.retrieve``: one served name's card (ids may contain '/'), else 404."""
-    context = get_context(raw_request)
-    if model_id not in context.models.names:
+    serving = get_context(raw_request).registry.get(model_id)
+    if serving is None:
         raise model_not_found(model_id)
-    return json_response(_model_card(context, model_id))
+    return json_response(_model_card(serving, model_id))
 
 
-def _model_card(context: ServerContext, name: str) -> dict[str, Any]:
+def _model_card(serving: ModelServing, name: str) -> dict[str, Any]:
     return {
         "id": name,
         "object": "model",
-        "created": context.created,
+        "created": serving.created,
         "owned_by": "pagedserve",
-        "root": context.model_root,
+        "root": serving.model_path,
         "parent": None,
-        "max_model_len": context.engine.model_info.max_model_len,
+        "max_model_len": serving.limits.max_model_len,
         "permission": [],
     }

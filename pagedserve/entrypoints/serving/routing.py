@@ -1,5 +1,6 @@
-"""Route helpers: the JSON content-type check (400) and ``with_cancellation``, which cancels a
-handler (aborting its requests) when the client disconnects."""
+"""Route helpers: the JSON content-type check (400), ``with_cancellation``, which cancels a handler
+(aborting its requests) when the client disconnects, and ``respond_leased``, which holds a lease until
+the response has ended."""
 
 from __future__ import annotations
 
@@ -12,6 +13,22 @@ from fastapi import Depends, Request
 from starlette.responses import Response
 
 from pagedserve.entrypoints.serving.errors import APIError
+from pagedserve.entrypoints.serving.sse import SSEResponse
+
+
+async def respond_leased(release: Callable[[], None], call: Awaitable[Response]) -> Response:
+    """Await the handler ``call`` and call ``release`` once its response has ended: after the stream for an
+    ``SSEResponse`` (however it ends), else at once (the body is built); also when the handler fails."""
+    try:
+        response = await call
+    except BaseException:
+        release()
+        raise
+    if isinstance(response, SSEResponse):
+        response.add_on_close(release)
+    else:
+        release()
+    return response
 
 
 def with_cancellation(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:

@@ -62,7 +62,11 @@ class SSEResponse(StreamingResponse):
     ) -> None:
         super().__init__(content, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
         self._generator = content
-        self._on_close = on_close
+        self._on_close: list[Callable[[], None]] = [on_close] if on_close is not None else []
+
+    def add_on_close(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` too once the response ends (after the ones given before)."""
+        self._on_close.append(callback)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -73,9 +77,9 @@ class SSEResponse(StreamingResponse):
             except RuntimeError:
                 pass  # still running in a cancelled task; its own cancellation cleans up
             finally:
-                if self._on_close is not None:
-                    self._on_close()
-                    self._on_close = None
+                callbacks, self._on_close = self._on_close, []
+                for callback in callbacks:
+                    callback()
 
 
 async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncGenerator[tuple[int, object], None]:

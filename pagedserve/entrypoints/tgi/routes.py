@@ -1,4 +1,5 @@
-"""TGI's routes: /generate, /generate_stream, the compat route ``/`` and /info."""
+"""TGI's routes: /generate, /generate_stream, the compat route ``/`` and /info, all on the default model
+(with a lease, held until the response has ended)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from starlette.responses import Response
 from pagedserve import __version__
 from pagedserve.entrypoints.context import get_context
 from pagedserve.entrypoints.serving.errors import json_response
-from pagedserve.entrypoints.serving.routing import JSON_BODY, with_cancellation
+from pagedserve.entrypoints.serving.routing import JSON_BODY, respond_leased, with_cancellation
 from pagedserve.entrypoints.tgi.protocol import CompatGenerateRequest, GenerateRequest
 
 router = APIRouter()
@@ -17,23 +18,26 @@ router = APIRouter()
 @router.post("/generate", dependencies=JSON_BODY)
 @with_cancellation
 async def tgi_generate(request: GenerateRequest, raw_request: Request) -> Response:
-    return await get_context(raw_request).tgi.generate_response(request)
+    serving = get_context(raw_request).registry.acquire(None)
+    return await respond_leased(serving.release, serving.tgi.generate_response(request))
 
 
 @router.post("/generate_stream", dependencies=JSON_BODY)
 async def tgi_generate_stream(request: GenerateRequest, raw_request: Request) -> Response:
-    return await get_context(raw_request).tgi.generate_stream_response(request)
+    serving = get_context(raw_request).registry.acquire(None)
+    return await respond_leased(serving.release, serving.tgi.generate_stream_response(request))
 
 
 @router.post("/", dependencies=JSON_BODY)
 @with_cancellation
 async def tgi_compat_generate(request: CompatGenerateRequest, raw_request: Request) -> Response:
-    serving = get_context(raw_request).tgi
+    serving = get_context(raw_request).registry.acquire(None)
+    tgi = serving.tgi
     if request.stream:
-        return await serving.generate_stream_response(request)
-    return await serving.generate_response(request, wrap_in_list=True)
+        return await respond_leased(serving.release, tgi.generate_stream_response(request))
+    return await respond_leased(serving.release, tgi.generate_response(request, wrap_in_list=True))
 
 
 @router.get("/info")
 async def tgi_info(raw_request: Request) -> Response:
-    return json_response(get_context(raw_request).tgi.info(__version__))
+    return json_response(get_context(raw_request).registry.default.tgi.info(__version__))

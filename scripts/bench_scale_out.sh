@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Reproduce docs/scale-out.md's tables with `pagedserve bench`, each from one side-by-side run:
+#
+#   scripts/bench_scale_out.sh overhead [OUT_DIR]   plain `pagedserve serve` against `--replicas 1` on Ray
+#                                                   (short and long, concurrency 16)
+#   scripts/bench_scale_out.sh routing [OUT_DIR]    2 replicas each behind round-robin, least-loaded and
+#                                                   prefix-affinity, on the shared-prefix workload
+#
+# Environment: DURATION=60 (measured seconds per point), DTYPE=bfloat16, EXTRA="more bench flags";
+# routing: GROUPS=16 prompt families of PREFIX=1024 tokens (+ SUFFIX=64 unique, OUTPUT=64 generated),
+# KV_CACHE=256MiB per replica (about half the families' prefixes fit in one replica), CONCURRENCY=16.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODE=${1:?overhead or routing}
+OUT=${2:-bench-out/scale-out-$MODE}
+PY=${PY:-.venv/bin/python}
+DURATION=${DURATION:-60}
+DTYPE=${DTYPE:-bfloat16}
+
+pids=()
+cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+start() {  # start NAME PORT ARGS...: launch `pagedserve serve`, wait for /health
+  local name=$1 port=$2; shift 2
+  "$PY" -m pagedserve.cli serve --port "$port" --dtype "$DTYPE" "$@" > "$OUT/server-$name.log" 2>&1 &
+  pids+=($!)
+  eval "${name//-/_}_pid=$!"
+  for _ in $(seq 1 900); do
+    if curl -sf "http://127.0.0.1:$port/health" > /dev/null; then return 0; fi
+    sleep 1
+  done
+  echo "$name did not come up; see $OUT/server-$name.log" >&2
+  exit 1
+}
+
+mkdir -p "$OUT"
+case "$MODE" in
+  overhead)
+    start plain 8000 --kv-cache-memory 2GiB --max-model-len 4096
+    start ray-1 8001 --kv-cache-memory 2GiB --max-model-len 4096 --replicas 1 --cpus-per-replica "$(nproc)"
+    # shellcheck disable=SC2086
+    "$PY" -m pagedserve.bench --target "plain=http://127.0.0.1:8000,pid=$plain_pid" \
+      --target "ray-replicas-1=http://127.0.0.1:8001,pid=$ray_1_pid" --workload short,long --concurrency 16 \
+      --duration "$DURATION" --drain-timeout 0 --ignore-eos --output-dir "$OUT" ${EXTRA:-}
+    ;;
+  routing)
+    port=8010
+    targets=()
+    for router in round-robin least-loaded prefix-affinity; do
+      start "$router" "$port" --kv-cache-memory "${KV_CACHE:-256MiB}" --max-model-len 2048 --replicas 2 \
+        --cpus-per-replica 1 --request-router "$router"
+      pid_var="${router//-/_}_pid"
+      targets+=(--target "$router=http://127.0.0.1:$port,pid=${!pid_var}")
+      port=$((port + 1))
+    done
+    # shellcheck disable=SC2086
+    "$PY" -m pagedserve.bench "${targets[@]}" --workload shared-prefix --num-prefix-groups "${GROUPS:-16}" \
+      --shared-prefix-len "${PREFIX:-1024}" --input-len "${SUFFIX:-64}" --output-len "${OUTPUT:-64}" \
+      --concurrency "${CONCURRENCY:-16}" --duration "$DURATION" --drain-timeout 0 --ignore-eos \
+      --output-dir "$OUT" ${EXTRA:-}
+    ;;
+  *) echo "mode: overhead or routing" >&2; exit 2 ;;
+esac
+echo "report: $OUT/report.md"
