@@ -54,11 +54,16 @@ case "$MODE" in
       targets+=(--target "$router=http://127.0.0.1:$port,pid=${!pid_var}")
       port=$((port + 1))
     done
+    urls=(round-robin=http://127.0.0.1:8010 least-loaded=http://127.0.0.1:8011 prefix-affinity=http://127.0.0.1:8012)
+    "$PY" scripts/prefix_cache_rates.py snapshot "$OUT/counters-before.json" "${urls[@]}"
     # shellcheck disable=SC2086
     "$PY" -m pagedserve.bench "${targets[@]}" --workload shared-prefix --num-prefix-groups "${GROUPS:-16}" \
       --shared-prefix-len "${PREFIX:-1024}" --input-len "${SUFFIX:-64}" --output-len "${OUTPUT:-64}" \
       --concurrency "${CONCURRENCY:-16}" --duration "$DURATION" --drain-timeout 0 --ignore-eos \
       --output-dir "$OUT" ${EXTRA:-}
+    "$PY" scripts/prefix_cache_rates.py snapshot "$OUT/counters-after.json" "${urls[@]}"
+    "$PY" scripts/prefix_cache_rates.py diff "$OUT/counters-before.json" "$OUT/counters-after.json" \
+      | tee "$OUT/prefix-cache.md"
     ;;
   *) echo "mode: overhead or routing" >&2; exit 2 ;;
 esac
