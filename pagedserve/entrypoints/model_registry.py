@@ -34,10 +34,7 @@ class ModelRegistry:
     # ----------------------------------------------------------------- requests
     def acquire(self, model: str | None) -> ModelServing:
         """The serving for ``model`` with a lease taken (give it back with ``release``); 404 if not served."""
-        slot = self._names.get(model) if model else self._default
-        if slot is None:
-            raise model_not_found(model or "")
-        serving = slot.serving
+        serving = self.resolve(model)
         serving.leases += 1
         return serving
 
@@ -97,7 +94,7 @@ class ModelRegistry:
     def replace(self, serving: ModelServing) -> ModelServing:
         """Switch ``serving.name`` (and its aliases) to ``serving``; returns the serving it replaced.
 
-        The new serving must carry the same names (``names_of``); requests resolved before the switch keep
+        The new serving must carry the same names (``ServerConfig.names_of``); requests resolved before the switch keep
         their old serving (their leases), requests resolved after it get the new one.
         """
         slot = self._models.get(serving.name)
@@ -118,10 +115,6 @@ class ModelRegistry:
         if self._default is slot:
             self._default = next(iter(self._models.values()), None)
         return serving
-
-    def names_of(self, name: str) -> tuple[str, ...]:
-        """All the names of the model known as ``name`` (KeyError if not served)."""
-        return self._names[name].serving.names
 
     async def retire(self, serving: ModelServing, timeout: float | None) -> None:
         """Drain a serving that is no longer current (leases and unfinished requests to 0, or ``timeout``
