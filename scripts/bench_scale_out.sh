@@ -7,8 +7,9 @@
 #                                                   prefix-affinity, on the shared-prefix workload
 #
 # Environment: DURATION=60 (measured seconds per point), DTYPE=bfloat16, EXTRA="more bench flags";
-# routing: GROUPS=16 prompt families of PREFIX=1024 tokens (+ SUFFIX=64 unique, OUTPUT=64 generated),
-# KV_CACHE=256MiB per replica (about half the families' prefixes fit in one replica), CONCURRENCY=16.
+# routing: FAMILIES=16 prompt families of PREFIX=1024 tokens (+ SUFFIX=64 unique, OUTPUT=64 generated),
+# KV_CACHE=448MiB per replica (a little under half the families' prefixes fit in one replica next to
+# the running requests), CONCURRENCY=16. (Not GROUPS: bash presets that name to the user's group ids.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:?overhead or routing}
@@ -48,7 +49,7 @@ case "$MODE" in
     port=8010
     targets=()
     for router in round-robin least-loaded prefix-affinity; do
-      start "$router" "$port" --kv-cache-memory "${KV_CACHE:-256MiB}" --max-model-len 2048 --replicas 2 \
+      start "$router" "$port" --kv-cache-memory "${KV_CACHE:-448MiB}" --max-model-len 2048 --replicas 2 \
         --cpus-per-replica 1 --request-router "$router"
       pid_var="${router//-/_}_pid"
       targets+=(--target "$router=http://127.0.0.1:$port,pid=${!pid_var}")
@@ -57,7 +58,7 @@ case "$MODE" in
     urls=(round-robin=http://127.0.0.1:8010 least-loaded=http://127.0.0.1:8011 prefix-affinity=http://127.0.0.1:8012)
     "$PY" scripts/prefix_cache_rates.py snapshot "$OUT/counters-before.json" "${urls[@]}"
     # shellcheck disable=SC2086
-    "$PY" -m pagedserve.bench "${targets[@]}" --workload shared-prefix --num-prefix-groups "${GROUPS:-16}" \
+    "$PY" -m pagedserve.bench "${targets[@]}" --workload shared-prefix --num-prefix-groups "${FAMILIES:-16}" \
       --shared-prefix-len "${PREFIX:-1024}" --input-len "${SUFFIX:-64}" --output-len "${OUTPUT:-64}" \
       --concurrency "${CONCURRENCY:-16}" --duration "$DURATION" --drain-timeout 0 --ignore-eos \
       --output-dir "$OUT" ${EXTRA:-}
