@@ -41,8 +41,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # monotonic; sent with the first output
-    # set by clients whose requests can fail one by one (replicas on a cluster): the request ended with this
-    # error instead of a finish reason (EngineCoreClient.fails_single_requests)
+    # the request ended with this error instead of a finish reason (its grammar did not compile in the core, or
+    # every replica of a cluster tried failed)
     error: str | None = None
 
 

@@ -210,6 +210,11 @@ class Metrics:
         self._rejected = counter(
             "request_rejected", "Requests refused before reaching the engine, by reason.", ["reason"]
         )
+        self._structured = counter(
+            "structured_output_requests",
+            "Requests with an output constraint, by kind (json, regex, choice, grammar; tool calls: tools).",
+            ["kind"],
+        )
         self.ttft = histogram(
             "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
@@ -259,6 +264,10 @@ class Metrics:
     def record_rejected(self, reason: str, model_name: str | None = None) -> None:
         """A refused request (429), of ``model_name`` or, for the server-wide rate limit, the default model."""
         self._rejected.labels(model_name or self.default_model, reason).inc()
+
+    def record_structured(self, kind: str, model_name: str) -> None:
+        """A request admitted with an output constraint of ``kind``."""
+        self._structured.labels(model_name, kind).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

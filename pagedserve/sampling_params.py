@@ -6,6 +6,41 @@ from dataclasses import dataclass, field
 
 _INT64_MAX = 2**63 - 1
 MAX_N = 128  # more samples per request than this is a DoS vector (vLLM caps too)
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``structured_outputs``): exactly one of a JSON schema (as
+    canonical JSON text), a regular expression, a list of choices, an EBNF grammar, or any JSON object.
+
+    The front end turns request fields into this and checks that it compiles; the engine compiles it
+    (cached per distinct spec) and masks the logits of the request's rows with it.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured outputs need exactly one of {', '.join(STRUCTURED_KINDS)}; got {given or 'none'}."
+            )
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured outputs `choice` must be a non-empty list of strings.")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, object]:
+        """Hashable identity of the spec: one compiled grammar per key."""
+        return (self.kind, getattr(self, self.kind))
 
 
 @dataclass(slots=True)
@@ -37,6 +72,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (grammar-masked logits)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

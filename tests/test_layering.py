@@ -52,6 +52,7 @@ LAYERS: dict[str, int] = {  # a module (or package, with everything under it) ->
     "pagedserve.worker": 3,
     "pagedserve.engine": 4,
     "pagedserve.tokenizer": 4,
+    "pagedserve.structured": 4,
     "pagedserve.cluster": 5,
     "pagedserve.entrypoints": 6,
     "pagedserve.metrics": 6,

@@ -125,8 +125,6 @@ class RouterCounters:
 class RayEngineCoreClient(EngineCoreClient):
     """EngineCoreClient over the replicas of one Ray Serve application (one served model)."""
 
-    fails_single_requests = True  # a request that failed on every replica tried ends with an error
-
     def __init__(
         self,
         handle,  # ray.serve.handle.DeploymentHandle of the EngineReplica deployment

@@ -168,12 +168,10 @@ class AsyncLLM:
         core = self.core
         processor = self.output_processor
         collectors = self._collectors
-        single_failures = core.fails_single_requests
         try:
             while True:
-                outputs = await core.get_outputs()
-                if single_failures:
-                    outputs = self._fail_requests_in(outputs)
+                # a request can fail alone: its grammar did not compile, or (cluster) every replica tried failed
+                outputs = self._fail_requests_in(await core.get_outputs())
                 for start in range(0, len(outputs), OUTPUT_CHUNK_SIZE):
                     if start:
                         await asyncio.sleep(0)

@@ -29,10 +29,6 @@ class EngineDeadError(RuntimeError):
 class EngineCoreClient(ABC):
     """Async handle on an engine core. All methods are called from one event loop."""
 
-    # True for clients that end single requests with an error (``EngineCoreOutput.error``) while the
-    # core lives on (replicas on a cluster); a local core fails as a whole (``is_dead``)
-    fails_single_requests = False
-
     @abstractmethod
     async def warmup(self) -> None:
         """A real forward pass in the core (first-call costs); call before ``start``."""

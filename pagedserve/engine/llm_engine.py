@@ -7,6 +7,7 @@ server, by the engine-core loop (``core_loop.py``) in a thread or a child proces
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -18,10 +19,14 @@ from pagedserve.core.request import Request
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
 from pagedserve.models.loader import LoadedModel, load_model
+from pagedserve.outputs import FinishReason
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured.manager import StructuredOutputManager, build_compiler
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_SECONDS = 0.005  # an idle step's wait for a compile (new messages are read between steps)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -86,6 +91,11 @@ class LLMEngine:
             engine_name="paged",
         )
         self.dtype = loaded.dtype
+        # grammar compiler (the tokenizer's vocabulary) built on its own thread; requests with structured
+        # outputs wait there for their compile while the others step
+        self.structured = StructuredOutputManager(
+            functools.partial(build_compiler, config.model, loaded.vocab_size, loaded.eos_token_ids), loaded.vocab_size
+        )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), dtype %s, device %s",
             num_blocks - 1,
@@ -105,6 +115,12 @@ class LLMEngine:
         """Queue a request the front end checked (pagedserve.entrypoints.input_checks); the invariants
         the engine relies on are asserted, not reported."""
         assert 0 < len(request.prompt_token_ids) < self.max_model_len, "prompt empty or longer than the context"
+        if request.sampling_params.structured_outputs is not None:
+            self.structured.submit(request)  # scheduled once its grammar is compiled
+            return
+        self._schedule_request(request)
+
+    def _schedule_request(self, request: EngineCoreRequest) -> None:
         params = request.sampling_params  # a seed's generators are the runner's (sample i: seed + i)
         self.scheduler.add_request(
             Request(
@@ -120,6 +136,7 @@ class LLMEngine:
         )
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        self.structured.abort(request_ids)
         self.scheduler.abort_requests(request_ids)
         self._close_busy_period()
 
@@ -135,25 +152,43 @@ class LLMEngine:
             self._busy_since = None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.structured.has_pending
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
         if self._busy_since is not None:  # the engine had work since the last step began
             self._busy_seconds += start - self._busy_since
+        failed = self._admit_compiled() if self.structured.has_pending else []
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self._busy_since = None
-            return []
-        result = self.runner.execute_model(sched)
+            if self.structured.has_pending and not failed:
+                self.structured.wait(GRAMMAR_WAIT_SECONDS)  # nothing to run until a grammar is ready
+            return failed
+        structured = self.structured
+        structured.release(sched.finished_req_ids, self.scheduler.requests.__contains__)
+        result = self.runner.execute_model(sched, structured.logits_mask(sched))
+        structured.accept(sched, result)
         outputs = self.scheduler.update_from_output(sched, result)
+        if failed:
+            outputs = failed + outputs
         if self.scheduler.has_unfinished_requests():
             self._busy_since = start  # this step's time is counted when the next one starts
         else:
             self._busy_seconds += time.perf_counter() - start
             self._busy_since = None
         return outputs
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Schedule the requests whose grammar compiled; end those whose compile failed with an error."""
+        ready, failed = self.structured.take_compiled()
+        for request in ready:
+            self._schedule_request(request)
+        return [
+            EngineCoreOutput(request.request_id, 0, [], finish_reason=FinishReason.ABORT, error=error)
+            for request, error in failed
+        ]
 
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.get_stats()

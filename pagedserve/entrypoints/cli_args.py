@@ -166,6 +166,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="seconds before a request is aborted (0: no limit)",
     )
     server.add_argument(
+        "--structured-outputs-max-string-length",
+        type=int,
+        default=256,
+        help="maxLength (characters) given to strings a JSON schema leaves unbounded, so that constrained "
+        "output ends (0: no bound)",
+    )
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": parse tool calls from the model\'s text (needs --tool-call-parser)',
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=None,
+        help="the format of tool calls in the model's text, for tool_choice auto",
+    )
+    server.add_argument(
         "--shutdown-timeout",
         type=_positive_float,
         default=30.0,
@@ -200,6 +218,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     engine_config = engine_config_from_args(args)
     models = model_specs_from_args(args, engine_config)
     admin_key = args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     return ServerConfig(
         models=models,
         host=args.host,
@@ -311,6 +331,9 @@ def http_options_from_args(args: argparse.Namespace) -> HTTPOptions:
         max_header_bytes=args.max_header_bytes,
         max_queued_requests=None if args.max_queued_requests < 0 else args.max_queued_requests,
         request_timeout=args.request_timeout or None,
+        structured_max_string_length=max(0, args.structured_outputs_max_string_length),
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         shutdown_timeout=args.shutdown_timeout,
         log_stats_interval=args.log_stats_interval,
         http_protocol=args.http,

@@ -26,6 +26,7 @@ from pagedserve.entrypoints.openai.serving_tokenize import OpenAIServingTokeniza
 from pagedserve.entrypoints.server_config import ServerConfig
 from pagedserve.entrypoints.serving.admission import AdmissionControl
 from pagedserve.entrypoints.serving.logprobs import TokenTexts
+from pagedserve.entrypoints.serving.structured_outputs import StructuredOutputs
 from pagedserve.entrypoints.serving.tokenization import PromptTokenizer
 from pagedserve.entrypoints.tgi.details import TGIDetails
 from pagedserve.entrypoints.tgi.serving import TGIServing
@@ -130,7 +131,10 @@ def build_model_serving(
     timeout = config.http.request_timeout
     prompts = OpenAIPrompts(prompt_tokenizer, template, limits)
     sampling = SamplingBuilder(limits, SamplingDefaults.from_generation_config(info.generation_config))
-    generation = GenerationParts(engine, models, prompts, sampling, admission, texts, timeout)
+    structured = StructuredOutputs(
+        config.http.structured_max_string_length, on_constrained=lambda kind: metrics.record_structured(kind, name)
+    )
+    generation = GenerationParts(engine, models, prompts, sampling, admission, texts, timeout, structured)
     serving = ModelServing(
         spec=spec,
         names=names,
@@ -145,7 +149,7 @@ def build_model_serving(
         ),
         tgi=TGIServing(
             engine=engine,
-            planner=TGIPlanner(prompt_tokenizer, limits),
+            planner=TGIPlanner(prompt_tokenizer, limits, structured),
             details=TGIDetails(texts),
             admission=admission,
             request_timeout=timeout,

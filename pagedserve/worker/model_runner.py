@@ -75,7 +75,11 @@ class ModelRunner:
                 use_fused_ops(model, kernels)
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, sched: SchedulerOutput, logits_mask: Callable[[torch.Tensor], None] | None = None
+    ) -> ModelRunnerOutput:
+        """One forward of ``sched``; ``logits_mask`` (structured outputs) edits the sampled rows' logits
+        ``[rows, vocab]`` in place before sampling."""
         for key in sched.finished_req_ids:  # first: a finished request's id may be in use again here
             self._generators.pop(key, None)
         if sched.block_copies:
@@ -117,6 +121,8 @@ class ModelRunner:
             else:
                 last_hidden = hidden[torch.tensor(sample_rows, device=self.device)]  # [rows, hidden]
             logits = self._in_forward(self.model.compute_logits, last_hidden)  # [rows, vocab]
+            if logits_mask is not None:
+                logits_mask(logits)
             tokens, token_logprobs = self.sampler(logits, rows)
             for owner, token, logprob in zip(owners, tokens, token_logprobs):
                 sampled[owner].append(token)

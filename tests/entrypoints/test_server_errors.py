@@ -182,7 +182,7 @@ CASES = [
     Case(
         "json response_format",
         "/v1/chat/completions",
-        chat(response_format={"type": "json_object"}),
+        chat(response_format={"type": "xml"}),
         message="is not supported",
     ),
     Case(

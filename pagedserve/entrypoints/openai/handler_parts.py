@@ -10,12 +10,13 @@ from pagedserve.entrypoints.openai.request_checks import ServedModels
 from pagedserve.entrypoints.openai.sampling import SamplingBuilder
 from pagedserve.entrypoints.serving.admission import AdmissionControl
 from pagedserve.entrypoints.serving.logprobs import TokenTexts
+from pagedserve.entrypoints.serving.structured_outputs import StructuredOutputs
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationParts:
-    """The engine, the served names, prompt preparation, sampling-params building, admission, token texts and
-    the per-request timeout (seconds; None for no limit)."""
+    """The engine, the served names, prompt preparation, sampling-params building, output constraints,
+    admission, token texts and the per-request timeout (seconds; None for no limit)."""
 
     engine: AsyncLLM
     models: ServedModels
@@ -24,3 +25,4 @@ class GenerationParts:
     admission: AdmissionControl
     texts: TokenTexts
     request_timeout: float | None
+    structured: StructuredOutputs

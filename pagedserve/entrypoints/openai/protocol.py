@@ -51,13 +51,14 @@ class SamplingFields(OpenAIBaseModel):
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
     priority: int = 0
-    # accepted only to be refused with a clear message
+    # output constraints (entrypoints/serving/structured_outputs.py checks them)
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
+    # accepted only to be refused with a clear message
     logits_processors: Any = None
 
 

@@ -14,14 +14,6 @@ from pagedserve.entrypoints.serving.errors import APIError, bad_request
 logger = logging.getLogger(__name__)
 
 MAX_STOP_SEQUENCES = 16
-_STRUCTURED_OUTPUT_FIELDS = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-    "logits_processors",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,15 +52,8 @@ def reject_unsupported(request: SamplingFields) -> None:
         raise bad_request("best_of is not supported; use n (and logprobs) instead.", "best_of")
     if request.use_beam_search:
         raise bad_request("Beam search is not supported.", "use_beam_search")
-    fmt = request.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad_request(
-            f"response_format type {fmt.get('type')!r} is not supported by this server; only 'text' is.",
-            "response_format",
-        )
-    for name in _STRUCTURED_OUTPUT_FIELDS:
-        if getattr(request, name) is not None:
-            raise bad_request(f"{name} is not supported by this server.", name)
+    if request.logits_processors is not None:
+        raise bad_request("logits_processors is not supported by this server.", "logits_processors")
     if request.stream_options is not None and not request.stream:
         raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
     if request.prompt_logprobs is not None and request.stream:

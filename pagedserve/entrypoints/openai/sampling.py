@@ -10,7 +10,7 @@ from typing import Any
 from pagedserve.entrypoints.input_checks import ModelLimits
 from pagedserve.entrypoints.openai.protocol import SamplingFields
 from pagedserve.entrypoints.serving.errors import bad_request, param_from_message
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 _GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -53,7 +53,12 @@ class SamplingBuilder:
         return room if default is None else min(default, room)
 
     def build(
-        self, request: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+        self,
+        request: SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         stop = request.stop
         stop_list = [stop] if isinstance(stop, str) else list(stop or [])
@@ -89,6 +94,7 @@ class SamplingBuilder:
                 logit_bias=self.parse_logit_bias(request.logit_bias),
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
+                structured_outputs=structured_outputs,
             )
         except ValueError as exc:
             raise bad_request(str(exc), param_from_message(str(exc))) from exc

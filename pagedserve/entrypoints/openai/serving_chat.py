@@ -35,10 +35,11 @@ class OpenAIServingChat:
         _reject_tools(request)
         num_top = self._check_chat_logprobs(request)
         self.parts.sampling.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        constraint = await self.parts.structured.parse_and_check(request)
         prompt = await self.parts.prompts.chat_prompt(request)
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens = self.parts.sampling.resolve_max_tokens(len(prompt.token_ids), requested, None)
-        params = self.parts.sampling.build(request, max_tokens, num_top, request.prompt_logprobs)
+        params = self.parts.sampling.build(request, max_tokens, num_top, request.prompt_logprobs, constraint)
         request_id = random_id("chatcmpl")
         self.parts.admission.acquire()
         if request.stream:

@@ -26,7 +26,7 @@ from pagedserve.entrypoints.serving.sse import (
     sse,
 )
 from pagedserve.outputs import CompletionOutput, RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +43,9 @@ class OpenAIServingCompletion:
             raise bad_request("suffix is not currently supported.", "suffix")
         self.parts.sampling.check_logprobs(request.logprobs, "logprobs")
         self.parts.sampling.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
+        constraint = await self.parts.structured.parse_and_check(request)
         prompts = await self.parts.prompts.completion_prompts(request)
-        params = [self._params_for(request, prompt) for prompt in prompts]
+        params = [self._params_for(request, prompt, constraint) for prompt in prompts]
         request_id = random_id("cmpl")
         self.parts.admission.acquire(len(prompts))
         if request.stream:
@@ -67,14 +68,16 @@ class OpenAIServingCompletion:
         results = [task.result() for task in tasks]
         return json_response(self._response(request, request_id, model_name, prompts, results))
 
-    def _params_for(self, request: CompletionRequest, prompt: PreparedPrompt) -> SamplingParams:
+    def _params_for(
+        self, request: CompletionRequest, prompt: PreparedPrompt, constraint: StructuredOutputsParams | None
+    ) -> SamplingParams:
         explicit = "max_tokens" in request.model_fields_set
         requested = request.max_tokens if explicit else None
         max_tokens = self.parts.sampling.resolve_max_tokens(len(prompt.token_ids), requested, None if explicit else 16)
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
-        return self.parts.sampling.build(request, max_tokens, request.logprobs, prompt_logprobs)
+        return self.parts.sampling.build(request, max_tokens, request.logprobs, prompt_logprobs, constraint)
 
     def _generate(
         self, prompt: PreparedPrompt, params: SamplingParams, request_id: str, priority: int

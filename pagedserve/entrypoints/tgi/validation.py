@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 from pagedserve.entrypoints.input_checks import ModelLimits
 from pagedserve.entrypoints.serving.errors import APIError
+from pagedserve.entrypoints.serving.structured_outputs import StructuredOutputs
 from pagedserve.entrypoints.serving.tokenization import PromptTokenizer
 from pagedserve.entrypoints.tgi.protocol import GenerateParameters, GenerateRequest
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_BEST_OF = 2
 MAX_STOP_SEQUENCES = 4
@@ -36,11 +37,12 @@ class Plan:
 class TGIPlanner:
     """Checks a TGI request against TGI's rules and the model's limits."""
 
-    __slots__ = ("tokenizer", "limits")
+    __slots__ = ("tokenizer", "limits", "structured")
 
-    def __init__(self, tokenizer: PromptTokenizer, limits: ModelLimits) -> None:
+    def __init__(self, tokenizer: PromptTokenizer, limits: ModelLimits, structured: StructuredOutputs) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.structured = structured
 
     @property
     def max_input_tokens(self) -> int:
@@ -52,6 +54,7 @@ class TGIPlanner:
             raise tgi_error("`inputs` cannot be empty")
         best_of = check_parameters(p, stream)
         self.limits.check_logprobs(p.top_n_tokens or 0, "top_n_tokens")
+        constraint = await self._grammar(p.grammar)
         token_ids = await self.tokenizer.encode(request.inputs, True)
         token_ids = self._truncate(token_ids, p.truncate)
         if not token_ids:
@@ -79,10 +82,21 @@ class TGIPlanner:
                 stop=list(p.stop),
                 logprobs=p.top_n_tokens or 0,  # TGI reports every token's logprob
                 prompt_logprobs=0 if p.decoder_input_details else None,
+                structured_outputs=constraint,
             )
         except ValueError as exc:
             raise tgi_error(str(exc)) from exc
         return Plan(token_ids, request.inputs, params, seed if sampling else None, best_of)
+
+    async def _grammar(self, grammar: object) -> StructuredOutputsParams | None:
+        """TGI's ``grammar`` parameter as a checked constraint (422 with the reason when it is not valid)."""
+        try:
+            constraint = self.structured.from_tgi(grammar)
+            if constraint is not None:
+                await self.structured.check(constraint, "grammar")
+        except APIError as exc:
+            raise tgi_error(exc.message) from exc
+        return constraint
 
     def _truncate(self, token_ids: list[int], truncate: int | None) -> list[int]:
         if truncate is None:
@@ -144,7 +158,6 @@ def check_parameters(p: GenerateParameters, stream: bool) -> int:
         ),
         (p.seed is not None and not 0 <= p.seed < 2**64, "`seed` must be a non-negative 64-bit integer"),
         (p.watermark, "`watermark` is not supported by this server"),
-        (p.grammar is not None, "`grammar` is not supported by this server"),
         (p.adapter_id not in (None, ""), "`adapter_id` is not supported by this server"),
         (stream and p.decoder_input_details, "`decoder_input_details` == true is not supported when streaming tokens"),
     ]
