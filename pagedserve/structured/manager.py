@@ -52,7 +52,6 @@ class StructuredOutputManager:
         self._pending: dict[str, tuple[EngineCoreRequest, concurrent.futures.Future]] = {}
         self._grammars: dict[str, Any] = {}  # request id -> compiled grammar (kept for its samples' matchers)
         self._matchers: dict[SampleKey, Any] = {}
-        self.num_compiled = 0
         self.num_failed = 0
 
     # ----------------------------------------------------------------- compiles
@@ -68,10 +67,6 @@ class StructuredOutputManager:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)
-
     def take_compiled(self) -> tuple[list[EngineCoreRequest], list[tuple[EngineCoreRequest, str]]]:
         """Requests whose grammar is ready (to schedule now) and those whose compile failed (with why)."""
         ready: list[EngineCoreRequest] = []
@@ -85,7 +80,6 @@ class StructuredOutputManager:
             error = future.exception()
             if error is None:
                 self._grammars[request_id] = future.result()
-                self.num_compiled += 1
                 ready.append(request)
             else:
                 self.num_failed += 1
@@ -115,6 +109,8 @@ class StructuredOutputManager:
     def logits_mask(self, sched: SchedulerOutput) -> Callable[[torch.Tensor], None] | None:
         """The in-place mask of this step's constrained rows (rows in the runner's order: per scheduled
         request, its ``num_samples`` samples), or None when no row is constrained."""
+        if not self._grammars:  # no constrained request in flight: nothing to look at
+            return None
         constrained: list[tuple[int, Any]] = []
         num_rows = 0
         for item in sched.scheduled:
@@ -142,6 +138,8 @@ class StructuredOutputManager:
 
     def accept(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """Advance each constrained sample's matcher with the token it sampled this step."""
+        if not self._matchers:
+            return
         for item, tokens in zip(sched.scheduled, result.sampled_token_ids):
             request = item.request
             if not tokens or request.sampling_params.structured_outputs is None:

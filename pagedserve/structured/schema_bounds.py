@@ -94,6 +94,7 @@ def any_json_object_schema(max_length: int, max_members: int = 12, depth: int = 
 
 
 def _named_children(schema: dict[str, Any], path: str) -> list[tuple[str, Any]]:
+    """The sub-schemas of ``schema`` with their JSON pointers under ``path``."""
     children: list[tuple[str, Any]] = []
     for key in _SCHEMA_CHILD_LISTS:
         if isinstance(schema.get(key), list):
@@ -101,7 +102,7 @@ def _named_children(schema: dict[str, Any], path: str) -> list[tuple[str, Any]]:
     for key in _SCHEMA_CHILD_MAPS:
         if isinstance(schema.get(key), dict):
             children.extend((f"{path}/{key}/{name}", child) for name, child in schema[key].items())
-    for key in ("items", "additionalProperties", "propertyNames"):
+    for key in _SCHEMA_CHILDREN:
         if isinstance(schema.get(key), dict):
             children.append((f"{path}/{key}", schema[key]))
     if isinstance(schema.get("items"), list):
@@ -110,19 +111,7 @@ def _named_children(schema: dict[str, Any], path: str) -> list[tuple[str, Any]]:
 
 
 def _children(schema: dict[str, Any]) -> list[Any]:
-    children: list[Any] = []
-    for key in _SCHEMA_CHILD_LISTS:
-        if isinstance(schema.get(key), list):
-            children.extend(schema[key])
-    for key in _SCHEMA_CHILD_MAPS:
-        if isinstance(schema.get(key), dict):
-            children.extend(schema[key].values())
-    for key in _SCHEMA_CHILDREN:
-        if isinstance(schema.get(key), dict):
-            children.append(schema[key])
-    if isinstance(schema.get("items"), list):
-        children.extend(schema["items"])
-    return children
+    return [child for _, child in _named_children(schema, "")]
 
 
 def _is_string_schema(schema: dict[str, Any]) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedserve.entrypoints.serving.errors import bad_request
-from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.sampling_params import STRUCTURED_KINDS, StructuredOutputsParams
 from pagedserve.structured.grammars import JSON_OBJECT_MAX_STRING_LENGTH
 from pagedserve.structured.schema_bounds import (
     MAX_CHOICE_CHARS,
@@ -29,7 +29,6 @@ from pagedserve.structured.schema_bounds import (
     unsupported_keyword,
 )
 
-_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's structured_outputs options this server accepts and ignores: its output is always compact JSON
 # with strict objects, and the backend is xgrammar
 _IGNORED_OPTIONS = frozenset(
@@ -102,15 +101,15 @@ class StructuredOutputs:
         param = "structured_outputs"
         if not isinstance(value, dict):
             raise bad_request("structured_outputs must be an object.", param)
-        unknown = sorted(set(value) - set(_STRUCTURED_KEYS) - _IGNORED_OPTIONS)
+        unknown = sorted(set(value) - set(STRUCTURED_KINDS) - _IGNORED_OPTIONS)
         if unknown:
             if "structural_tag" in unknown:
                 raise bad_request("structured_outputs.structural_tag is not supported by this server.", param)
             raise bad_request(f"Unknown structured_outputs fields: {', '.join(unknown)}.", param)
-        given = [key for key in _STRUCTURED_KEYS if value.get(key) not in (None, False)]
+        given = [key for key in STRUCTURED_KINDS if value.get(key) not in (None, False)]
         if len(given) != 1:
             raise bad_request(
-                f"structured_outputs needs exactly one of {', '.join(_STRUCTURED_KEYS)}; got {given or 'none'}.", param
+                f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KINDS)}; got {given or 'none'}.", param
             )
         key = given[0]
         return self._spec(key, value[key], f"{param}.{key}")
