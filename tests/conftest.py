@@ -92,6 +92,9 @@ def server():
         "5",
         "--dtype",
         "float32",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
     ]
     with RemoteServer(args, api_key=API_KEY) as remote:
         yield remote

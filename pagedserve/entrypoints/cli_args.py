@@ -184,6 +184,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="the format of tool calls in the model's text, for tool_choice auto",
     )
     server.add_argument(
+        "--max-parallel-tool-calls",
+        type=int,
+        default=0,
+        help='the most calls one forced (tool_choice "required") answer may hold when parallel_tool_calls '
+        "is true (0: as many as the request has tools); small models otherwise repeat calls until max_tokens",
+    )
+    server.add_argument(
         "--shutdown-timeout",
         type=_positive_float,
         default=30.0,
@@ -334,6 +341,7 @@ def http_options_from_args(args: argparse.Namespace) -> HTTPOptions:
         structured_max_string_length=max(0, args.structured_outputs_max_string_length),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        max_parallel_tool_calls=max(0, args.max_parallel_tool_calls),
         shutdown_timeout=args.shutdown_timeout,
         log_stats_interval=args.log_stats_interval,
         http_protocol=args.http,

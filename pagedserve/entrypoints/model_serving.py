@@ -23,6 +23,7 @@ from pagedserve.entrypoints.openai.sampling import SamplingBuilder, SamplingDefa
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from pagedserve.entrypoints.openai.tool_calls import ToolCallingOptions
 from pagedserve.entrypoints.server_config import ServerConfig
 from pagedserve.entrypoints.serving.admission import AdmissionControl
 from pagedserve.entrypoints.serving.logprobs import TokenTexts
@@ -143,7 +144,15 @@ def build_model_serving(
         limits=limits,
         admission=admission,
         completion=OpenAIServingCompletion(generation),
-        chat=OpenAIServingChat(generation),
+        chat=OpenAIServingChat(
+            generation,
+            ToolCallingOptions.for_template(
+                config.http.enable_auto_tool_choice,
+                config.http.tool_call_parser,
+                config.http.max_parallel_tool_calls,
+                template.supports_tools,
+            ),
+        ),
         tokenization=OpenAIServingTokenization(
             models=models, tokenizer=prompt_tokenizer, template=template, limits=limits
         ),

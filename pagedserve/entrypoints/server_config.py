@@ -27,6 +27,7 @@ class HTTPOptions:
     structured_max_string_length: int = 256  # maxLength given to strings a JSON schema leaves unbounded; 0: none
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parses calls from the text with tool_call_parser
     tool_call_parser: str | None = None  # hermes | llama3_json
+    max_parallel_tool_calls: int = 0  # most calls in a forced "required" answer; 0: the request's number of tools
     shutdown_timeout: float = 30.0  # seconds of draining on SIGTERM
     log_stats_interval: float = 10.0  # seconds; 0: no stats log line
     http_protocol: str = "auto"  # auto | httptools | h11

@@ -186,10 +186,19 @@ CASES = [
         message="is not supported",
     ),
     Case(
-        "tools",
+        "tool_choice names an unknown function",
         "/v1/chat/completions",
-        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        message="Tool calling is not supported",
+        chat(
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        message="'g'",
+    ),
+    Case(
+        "tool without a function name",
+        "/v1/chat/completions",
+        chat(tools=[{"type": "function", "function": {"parameters": {}}}]),
+        message="name",
     ),
     Case(
         "lone surrogate",

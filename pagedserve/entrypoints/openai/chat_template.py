@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.entrypoints.openai.protocol import CHAT_ROLES, ChatCompletionRequest, ChatMessage, TokenizeChatRequest
+from pagedserve.entrypoints.openai.tools.prompt import messages_with_tools, template_supports_tools
+from pagedserve.entrypoints.openai.tools.spec import FunctionTool
 from pagedserve.entrypoints.serving.errors import bad_request
 from pagedserve.entrypoints.serving.tokenization import check_text
 
@@ -31,12 +33,19 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 class ChatTemplate:
     """The served model's chat template (from its tokenizer); request-supplied templates are refused."""
 
-    __slots__ = ("tokenizer",)
+    __slots__ = ("tokenizer", "supports_tools")
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        # templates that read `tools` get them as the template argument; others get a default system block
+        self.supports_tools = template_supports_tools(tokenizer.chat_template)
 
-    def render(self, request: ChatCompletionRequest | TokenizeChatRequest, documents: list[Any] | None = None) -> str:
+    def render(
+        self,
+        request: ChatCompletionRequest | TokenizeChatRequest,
+        documents: list[Any] | None = None,
+        tools: tuple[FunctionTool, ...] | None = None,
+    ) -> str:
         """``apply`` with the template fields of a chat or chat-tokenize request."""
         return self.apply(
             request.messages,
@@ -45,6 +54,7 @@ class ChatTemplate:
             request.chat_template,
             request.chat_template_kwargs,
             documents,
+            tools,
         )
 
     def apply(
@@ -55,6 +65,7 @@ class ChatTemplate:
         chat_template: str | None,
         template_kwargs: dict[str, Any] | None,
         documents: list[Any] | None = None,
+        tools: tuple[FunctionTool, ...] | None = None,
     ) -> str:
         if chat_template is not None:
             raise bad_request("Request-supplied chat templates are not allowed on this server.", "chat_template")
@@ -70,7 +81,11 @@ class ChatTemplate:
         kwargs = _template_kwargs(template_kwargs)
         if documents is not None:
             kwargs["documents"] = documents
-        conversation = [_message_dict(i, m) for i, m in enumerate(messages)]
+        conversation = messages_with_tools(
+            [_message_dict(i, m) for i, m in enumerate(messages)], tools, self.supports_tools
+        )
+        if tools and self.supports_tools:
+            kwargs["tools"] = [tool.to_openai() for tool in tools]
         try:
             return self.tokenizer.apply_chat_template(
                 conversation,
@@ -116,4 +131,8 @@ def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
     result: dict[str, Any] = {"role": message.role, "content": content}
     if message.name is not None:
         result["name"] = message.name
+    if message.tool_calls:
+        result["tool_calls"] = message.tool_calls
+    if message.tool_call_id is not None:
+        result["tool_call_id"] = message.tool_call_id
     return result

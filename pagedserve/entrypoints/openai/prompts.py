@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pagedserve.entrypoints.input_checks import EMPTY_PROMPT, ModelLimits
 from pagedserve.entrypoints.openai.chat_template import ChatTemplate
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.entrypoints.openai.tools.spec import FunctionTool
 from pagedserve.entrypoints.serving.errors import bad_request
 from pagedserve.entrypoints.serving.tokenization import PromptTokenizer
 
@@ -57,8 +58,10 @@ class OpenAIPrompts:
             text = self.tokenizer.decode(token_ids)
         return PreparedPrompt(token_ids, text)
 
-    async def chat_prompt(self, request: ChatCompletionRequest) -> PreparedPrompt:
-        text = self.template.render(request, request.documents)
+    async def chat_prompt(
+        self, request: ChatCompletionRequest, tools: tuple[FunctionTool, ...] | None = None
+    ) -> PreparedPrompt:
+        text = self.template.render(request, request.documents, tools)
         token_ids = await self.tokenizer.encode(text, request.add_special_tokens)
         token_ids = self.truncate(token_ids, request.truncate_prompt_tokens)
         self.limits.check_prompt_ids(token_ids, "messages")

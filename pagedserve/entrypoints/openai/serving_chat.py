@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from starlette.responses import Response
 
@@ -15,11 +16,12 @@ from pagedserve.entrypoints.openai.handler_parts import GenerationParts
 from pagedserve.entrypoints.openai.prompts import PreparedPrompt
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedserve.entrypoints.openai.request_checks import check_generation_request
+from pagedserve.entrypoints.openai.tool_calls import ToolCallingOptions, ToolPlan, ToolStream, plan_tools
 from pagedserve.entrypoints.serving.admission import collect, engine_failed, random_id, timeout_error
 from pagedserve.entrypoints.serving.errors import APIError, bad_request, json_response
 from pagedserve.entrypoints.serving.sse import SSE_DONE, TEXT_MARK, SSEResponse, SSETemplates, sse
 from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -27,23 +29,30 @@ logger = logging.getLogger(__name__)
 class OpenAIServingChat:
     """Checks a chat request, applies the chat template, runs it and answers with a message or an SSE stream."""
 
-    def __init__(self, parts: GenerationParts) -> None:
+    def __init__(self, parts: GenerationParts, tool_options: ToolCallingOptions | None = None) -> None:
         self.parts = parts
+        self.tool_options = tool_options or ToolCallingOptions()
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         model_name = check_generation_request(request, self.parts.models, self.parts.engine)
-        _reject_tools(request)
+        tools = plan_tools(request, self.tool_options)
         num_top = self._check_chat_logprobs(request)
         self.parts.sampling.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
         constraint = await self.parts.structured.parse_and_check(request)
-        prompt = await self.parts.prompts.chat_prompt(request)
+        schema = tools.constraint_schema() if tools is not None else None
+        if schema is not None:
+            if constraint is not None:
+                raise bad_request("response_format cannot be combined with a required or named tool_choice.", "tools")
+            constraint = StructuredOutputsParams(json=self.parts.structured.schema_text(schema, "tools"))
+            await self.parts.structured.check(constraint, "tools")
+        prompt = await self.parts.prompts.chat_prompt(request, tools.prompt_tools if tools is not None else None)
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens = self.parts.sampling.resolve_max_tokens(len(prompt.token_ids), requested, None)
         params = self.parts.sampling.build(request, max_tokens, num_top, request.prompt_logprobs, constraint)
         request_id = random_id("chatcmpl")
         self.parts.admission.acquire()
         if request.stream:
-            stream = self._stream(request, request_id, model_name, prompt, params, num_top)
+            stream = self._stream(request, request_id, model_name, prompt, params, num_top, tools)
             return SSEResponse(stream, on_close=self.parts.admission.release)
         try:
             result = await collect(
@@ -54,14 +63,25 @@ class OpenAIServingChat:
         echo = _echo_text(request)
         choices = []
         for completion in sorted(result.outputs, key=lambda c: c.index):
+            finish = completion.finish_reason.value if completion.finish_reason else None
+            content: str | None = echo + completion.text
+            calls = []
+            if tools is not None:
+                content, calls = tools.calls_of(completion.text)
+                finish = tools.finish_reason(finish, calls)
+                content = echo + content if content is not None else (echo or None)
             choices.append(
                 {
                     "index": completion.index,
-                    "message": {"role": "assistant", "content": echo + completion.text, "tool_calls": []},
+                    "message": {
+                        "role": "assistant",
+                        "content": content,
+                        "tool_calls": [call.to_openai() for call in calls],
+                    },
                     "logprobs": chat_logprobs(self.parts.texts, completion.token_ids, completion.logprobs, num_top)
                     if num_top is not None
                     else None,
-                    "finish_reason": completion.finish_reason.value if completion.finish_reason else None,
+                    "finish_reason": finish,
                     "stop_reason": completion.stop_reason,
                 }
             )
@@ -104,8 +124,10 @@ class OpenAIServingChat:
         prompt: PreparedPrompt,
         params: SamplingParams,
         num_top: int | None,
+        tools: ToolPlan | None = None,
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
+        streams = {index: tools.streamer() for index in range(request.n)} if tools is not None else None
         texts = self.parts.texts
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_name}
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -152,6 +174,10 @@ class OpenAIServingChat:
                     for completion in output.outputs:
                         num_generated += len(completion.token_ids)
                         finish = completion.finish_reason
+                        if streams is not None:
+                            for chunk in _tool_stream_chunks(head, streams[completion.index], completion, tools):
+                                yield sse(chunk)
+                            continue
                         has_logprobs = num_top is not None and completion.token_ids
                         if not completion.text and finish is None and not has_logprobs:
                             continue
@@ -186,13 +212,33 @@ class OpenAIServingChat:
         yield SSE_DONE
 
 
-def _reject_tools(request: ChatCompletionRequest) -> None:
-    if request.functions or request.function_call not in (None, "none"):
-        raise bad_request("Function calling is not supported by this server.", "functions")
-    if request.tools and request.tool_choice not in ("none",):
-        raise bad_request(
-            'Tool calling is not supported by this server; omit `tools` or set `tool_choice` to "none".', "tools"
-        )
+def _tool_stream_chunks(head: dict, stream: ToolStream, completion: Any, tools: ToolPlan) -> list[dict]:
+    """The chunks of one choice's new output when tools are in play: content and tool-call deltas, then
+    the finish chunk (``tool_calls`` when calls were sent)."""
+    index = completion.index
+    deltas = [stream.feed(completion.text)]
+    finish = completion.finish_reason
+    if finish is not None:
+        deltas.append(stream.finish())
+    chunks = []
+    for delta in deltas:
+        body: dict[str, Any] = {}
+        if delta.content:
+            body["content"] = delta.content
+        if delta.tool_calls:
+            body["tool_calls"] = [piece.to_openai() for piece in delta.tool_calls]
+        if body:
+            chunks.append(
+                {**head, "choices": [{"index": index, "delta": body, "logprobs": None, "finish_reason": None}]}
+            )
+    if finish is not None:
+        reason = finish.value
+        if stream.num_calls and reason == "stop" and tools.mode != "named":
+            reason = "tool_calls"
+        choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+        choice["stop_reason"] = completion.stop_reason
+        chunks.append({**head, "choices": [choice]})
+    return chunks
 
 
 def _echo_text(request: ChatCompletionRequest) -> str:

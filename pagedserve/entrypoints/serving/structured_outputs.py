@@ -131,7 +131,7 @@ class StructuredOutputs:
     # ----------------------------------------------------------------- specs
     def _spec(self, kind: str, value: Any, param: str) -> StructuredOutputsParams:
         if kind == "json":
-            return StructuredOutputsParams(json=self._schema_text(value, param))
+            return StructuredOutputsParams(json=self.schema_text(value, param))
         if kind == "json_object":
             if value is not True:
                 raise bad_request("json_object must be true.", param)
@@ -152,7 +152,7 @@ class StructuredOutputs:
             raise bad_request(f"{param}: a choice is longer than {MAX_CHOICE_CHARS} characters.", param)
         return StructuredOutputsParams(choice=tuple(dict.fromkeys(value)))
 
-    def _schema_text(self, value: Any, param: str) -> str:
+    def schema_text(self, value: Any, param: str) -> str:
         if isinstance(value, str):
             if len(value) > MAX_SPEC_CHARS:
                 raise bad_request(f"{param} is too long: {len(value)} characters, at most {MAX_SPEC_CHARS}.", param)

@@ -30,6 +30,7 @@ def test_required_schema_shape() -> None:
     assert schema == {
         "type": "array",
         "minItems": 1,
+        "maxItems": 2,
         "items": {
             "anyOf": [
                 {
@@ -51,8 +52,12 @@ def test_required_schema_shape() -> None:
 
 
 def test_required_schema_single_call_when_not_parallel() -> None:
-    schema = required_calls_schema(request(parallel=False))
+    schema = required_calls_schema(request(parallel=False), max_calls=5)
     assert schema["maxItems"] == 1 and schema["minItems"] == 1
+
+
+def test_required_schema_call_bound_from_the_server() -> None:
+    assert required_calls_schema(request(), max_calls=5)["maxItems"] == 5
 
 
 def test_schema_is_a_copy() -> None:

@@ -2,7 +2,8 @@
 parse of the constrained output back into ToolCalls.
 
 ``tool_choice: "required"``: the model writes a JSON array of ``{"name", "arguments"}`` objects (one
-at most when ``parallel_tool_calls`` is false). A named ``tool_choice``: the model writes the
+at most when ``parallel_tool_calls`` is false, else a bounded number: small models do not close an
+open array and repeat calls until ``max_tokens``). A named ``tool_choice``: the model writes the
 function's arguments object only. An empty ``parameters`` schema (``{}``) is constrained to an object.
 """
 
@@ -31,8 +32,9 @@ def _arguments_schema(tool: FunctionTool) -> dict[str, Any]:
     return copy.deepcopy(tool.parameters) or {"type": "object"}
 
 
-def required_calls_schema(request: ToolRequest) -> dict[str, Any]:
-    """A non-empty array of calls, each naming one of the tools with that tool's arguments."""
+def required_calls_schema(request: ToolRequest, max_calls: int = 0) -> dict[str, Any]:
+    """A non-empty array of calls, each naming one of the tools with that tool's arguments: one call
+    without ``parallel_tool_calls``, else at most ``max_calls`` (0: as many as there are tools)."""
     variants = [
         {
             "type": "object",
@@ -43,8 +45,7 @@ def required_calls_schema(request: ToolRequest) -> dict[str, Any]:
         for tool in request.tools
     ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
-    if not request.parallel:
-        schema["maxItems"] = 1
+    schema["maxItems"] = (max_calls or len(request.tools)) if request.parallel else 1
     return schema
 
 
