@@ -51,5 +51,7 @@ def test_named_stream_sends_arguments_as_they_come() -> None:
     sent = [call for delta in pieces for call in delta.tool_calls]
     assert [c.to_openai() for c in sent[1:]] == [{"index": 0, "function": {"arguments": '"paris"}'}}]
     first = sent[0].to_openai()
-    assert first["id"] and first["type"] == "function" and first["function"] == {"name": "lookup", "arguments": '{"q": '}
+    assert (
+        first["id"] and first["type"] == "function" and first["function"] == {"name": "lookup", "arguments": '{"q": '}
+    )
     assert all(delta.content is None for delta in pieces) and stream.num_calls == 1
