@@ -112,6 +112,9 @@ class StructuredOutputManager:
         if not self._grammars:  # no constrained request in flight: nothing to look at
             return None
         constrained: list[tuple[int, Any]] = []
+        # rows whose grammar has ended (only reachable with ignore_eos): stop tokens only, so nothing
+        # follows the complete output
+        ended: list[tuple[int, tuple[int, ...]]] = []
         num_rows = 0
         for item in sched.scheduled:
             request = item.request
@@ -120,8 +123,10 @@ class StructuredOutputManager:
                     matcher = self._matcher(request.request_id, request.index + s, request.eos_token_ids)
                     if not matcher.is_terminated():
                         constrained.append((num_rows + s, matcher))
+                    elif request.eos_token_ids:
+                        ended.append((num_rows + s, request.eos_token_ids))
             num_rows += item.num_samples
-        if not constrained:
+        if not constrained and not ended:
             return None
         import xgrammar as xgr
 
@@ -132,7 +137,12 @@ class StructuredOutputManager:
         vocab_size = self.vocab_size
 
         def apply(logits: torch.Tensor) -> None:  # logits: [num_rows, >= vocab]
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=indices)
+            if indices:
+                xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=indices)
+            for row, stop_ids in ended:
+                keep = logits[row, list(stop_ids)].clone()  # [num_stop_ids]
+                logits[row].fill_(float("-inf"))
+                logits[row, list(stop_ids)] = keep
 
         return apply
 

@@ -100,6 +100,16 @@ def test_max_tokens_cut_ends_with_length(llm):
     assert output.outputs[0].finish_reason == "length" and len(output.outputs[0].token_ids) == 5
 
 
+def test_ignore_eos_adds_nothing_after_the_complete_output(llm):
+    params = SamplingParams(
+        temperature=0.0, max_tokens=40, ignore_eos=True, structured_outputs=StructuredOutputsParams(choice=("yes", "no"))
+    )
+    (output,) = llm.chat(chats(["Is the sky blue? Answer yes or no."]), params)
+    sample = output.outputs[0]
+    assert sample.text in ("yes", "no") and len(sample.token_ids) == 40
+    assert set(sample.token_ids[-30:]) <= set(llm.engine.eos_token_ids)
+
+
 def test_unconstrained_row_identical_next_to_constrained_ones(llm):
     plain = SamplingParams(temperature=0.0, max_tokens=48)
     alone = llm.generate(["The history of the printing press begins"], plain)[0].outputs[0].token_ids
