@@ -17,7 +17,7 @@ from pagedserve.cluster.ray_client import RayEngineCoreClient
 from pagedserve.cluster.replica import EngineReplica
 from pagedserve.cluster.routers import ROUTER_CLASSES
 from pagedserve.config import ClusterConfig, ModelSpec
-from pagedserve.engine.core_client import EngineCoreClient
+from pagedserve.engine.core_client import EngineCapacityError, EngineCoreClient
 
 logger = logging.getLogger("pagedserve.cluster")
 
@@ -56,10 +56,12 @@ class RayEngineFactory:
 
     # ----------------------------------------------------------------- EngineFactory
     def create(self, spec: ModelSpec, *, at_startup: bool) -> EngineCoreClient:
-        """Deploy ``spec.replicas`` warmed-up replicas (blocking); raises RuntimeError if they cannot start."""
+        """Deploy ``spec.replicas`` warmed-up replicas (blocking); raises EngineCapacityError when the
+        cluster has no room for them, RuntimeError if they cannot start."""
         from ray import serve
 
         self._connect()
+        self._check_room(spec)
         app_name = f"{_app_safe(spec.name)}-{next(self._generation)}"
         deployment = self._deployment(spec)
         logger.info("deploying %d replica(s) of %r as Ray Serve application %r", spec.replicas, spec.name, app_name)
@@ -118,6 +120,26 @@ class RayEngineFactory:
             ray.init(address=cluster.ray_address, logging_level=logging.WARNING)
         self._connected = True
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
+
+    def _check_room(self, spec: ModelSpec) -> None:
+        """Refuse a deployment the cluster's free resources cannot place: Serve would wait for them
+        forever. While a model is replaced, its old replicas keep their share until the new ones serve.
+
+        NOTE: an autoscaling cluster could add the room later; this checks what is free now."""
+        import ray
+
+        free = ray.available_resources()
+        short = []
+        for kind, per_replica in (("CPU", self.cluster.cpus_per_replica), ("GPU", self.cluster.gpus_per_replica)):
+            need = spec.replicas * (per_replica or 0.0)
+            if need > free.get(kind, 0.0) + 1e-9:
+                short.append(f"{need:g} {kind} (free: {free.get(kind, 0.0):g})")
+        if short:
+            raise EngineCapacityError(
+                f"the cluster has no room for {spec.replicas} replica(s) of {spec.name!r}: they need "
+                f"{', '.join(short)}. Engines being replaced keep their share until the new ones serve; "
+                "ask for fewer replicas, start with a smaller --cpus-per-replica, or add nodes."
+            )
 
     def _deployment(self, spec: ModelSpec):
         from ray import serve

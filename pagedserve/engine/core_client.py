@@ -26,6 +26,10 @@ class EngineDeadError(RuntimeError):
     """The engine core has stopped and will not produce any more outputs."""
 
 
+class EngineCapacityError(RuntimeError):
+    """There is no room for the engine asked for: the CPUs or GPUs its replicas need are taken."""
+
+
 class EngineCoreClient(ABC):
     """Async handle on an engine core. All methods are called from one event loop."""
 

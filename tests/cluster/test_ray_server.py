@@ -186,3 +186,22 @@ def test_swap_under_load_fails_nothing(server, tmp_path) -> None:
     assert cards["tiny"].root == str(new_path)
     tiny = admin_models(server)["tiny"]
     assert tiny["state"] == "ready" and tiny["model"] == str(new_path) and len(tiny["replicas"]) == 1
+
+
+def test_a_load_the_cluster_has_no_room_for_is_refused(server) -> None:
+    before = admin_models(server)
+    response = httpx.post(
+        server.url + "/admin/models",
+        json={"name": "big", "model": str(default_model_path()), "replicas": 4},  # 2 CPUs at 0.5 each
+        headers=ADMIN,
+        timeout=120,
+    )
+    assert response.status_code == 409, response.text
+    assert "no room for 4 replica(s)" in response.json()["error"]["message"]
+    after = admin_models(server)
+    assert "big" not in after or after["big"]["state"] == "failed"
+    assert {name: len(entry["replicas"]) for name, entry in after.items() if name != "big"} == {
+        name: len(entry["replicas"]) for name, entry in before.items()
+    }
+    reply = server.openai_client().completions.create(model="smol", prompt="Hi", max_tokens=4)
+    assert reply.choices[0].finish_reason == "length"

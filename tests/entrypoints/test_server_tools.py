@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -53,7 +54,16 @@ def check_calls(calls) -> None:
         jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
 
 
-def test_required_choice_returns_valid_calls(client):
+def constrained_count(server, kind: str) -> float:
+    """pagedserve:structured_output_requests_total for ``kind`` (0 before the first such request)."""
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith("pagedserve:structured_output_requests_total{") and f'kind="{kind}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_required_choice_returns_valid_calls(server, client):
+    tools_before, json_before = constrained_count(server, "tools"), constrained_count(server, "json")
     reply = client.chat.completions.create(
         model=model_of(client),
         messages=ASK,
@@ -67,6 +77,8 @@ def test_required_choice_returns_valid_calls(client):
         assert choice.finish_reason == "tool_calls"
         assert choice.message.content is None
         check_calls(choice.message.tool_calls)
+    assert constrained_count(server, "tools") == tools_before + 1
+    assert constrained_count(server, "json") == json_before
 
 
 def test_named_choice_returns_that_call(client):

@@ -102,7 +102,10 @@ def test_max_tokens_cut_ends_with_length(llm):
 
 def test_ignore_eos_adds_nothing_after_the_complete_output(llm):
     params = SamplingParams(
-        temperature=0.0, max_tokens=40, ignore_eos=True, structured_outputs=StructuredOutputsParams(choice=("yes", "no"))
+        temperature=0.0,
+        max_tokens=40,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(choice=("yes", "no")),
     )
     (output,) = llm.chat(chats(["Is the sky blue? Answer yes or no."]), params)
     sample = output.outputs[0]

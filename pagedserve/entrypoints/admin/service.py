@@ -12,6 +12,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.config import ModelSpec
+from pagedserve.engine.core_client import EngineCapacityError
 from pagedserve.entrypoints.admin.protocol import LoadModelRequest
 from pagedserve.entrypoints.model_serving import FAILED, LOADING, READY, ModelServing
 from pagedserve.entrypoints.openai.request_checks import model_not_found
@@ -144,6 +145,8 @@ class AdminService:
                 core = await asyncio.to_thread(context.factory.create, spec, at_startup=False)
             except ValueError as exc:
                 raise bad_request(str(exc)) from exc
+            except EngineCapacityError as exc:
+                raise conflict(f"Loading {spec.name!r} failed: {exc}") from exc
             except Exception as exc:  # noqa: BLE001 - the reason goes to the client
                 raise APIError(f"Loading {spec.name!r} failed: {exc}", 500) from exc
             serving = None

@@ -44,7 +44,7 @@ class OpenAIServingChat:
             if constraint is not None:
                 raise bad_request("response_format cannot be combined with a required or named tool_choice.", "tools")
             constraint = StructuredOutputsParams(json=self.parts.structured.schema_text(schema, "tools"))
-            await self.parts.structured.check(constraint, "tools")
+            await self.parts.structured.check(constraint, "tools", kind="tools")
         prompt = await self.parts.prompts.chat_prompt(request, tools.prompt_tools if tools is not None else None)
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens = self.parts.sampling.resolve_max_tokens(len(prompt.token_ids), requested, None)

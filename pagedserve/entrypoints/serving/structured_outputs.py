@@ -186,12 +186,13 @@ class StructuredOutputs:
         await self.check(*found)
         return found[0]
 
-    async def check(self, params: StructuredOutputsParams, param: str) -> None:
-        """400 unless the spec converts to a grammar (in a worker thread; remembered when it does)."""
+    async def check(self, params: StructuredOutputsParams, param: str, kind: str | None = None) -> None:
+        """400 unless the spec converts to a grammar (in a worker thread; remembered when it does).
+        ``kind`` is the label it is counted under (default: the spec's kind)."""
         key = params.key
         if key in self._checked:
             self._checked.move_to_end(key)
-            self._count(params)
+            self._count(kind or params.kind)
             return
         from pagedserve.structured.grammars import GrammarSpecError, check_spec
 
@@ -202,8 +203,8 @@ class StructuredOutputs:
         self._checked[key] = None
         if len(self._checked) > self._cache_size:
             self._checked.popitem(last=False)
-        self._count(params)
+        self._count(kind or params.kind)
 
-    def _count(self, params: StructuredOutputsParams) -> None:
+    def _count(self, kind: str) -> None:
         if self.on_constrained is not None:
-            self.on_constrained(params.kind)
+            self.on_constrained(kind)
