@@ -27,7 +27,7 @@ def test_auto_parses_hermes_when_the_template_ignores_tools() -> None:
     assert plan.mode == "auto"
     content, calls = plan.calls_of('<tool_call>{"name": "lookup", "arguments": {"q": "x"}}</tool_call>')
     assert [c.name for c in calls] == ["lookup"] and json.loads(calls[0].arguments) == {"q": "x"}
-    assert plan.finish_reason("stop", calls) == "tool_calls"
+    assert plan.finish_reason("stop", len(calls)) == "tool_calls"
 
 
 def test_auto_needs_the_flags_when_the_template_renders_tools() -> None:

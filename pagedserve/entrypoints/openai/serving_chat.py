@@ -68,7 +68,7 @@ class OpenAIServingChat:
             calls = []
             if tools is not None:
                 content, calls = tools.calls_of(completion.text)
-                finish = tools.finish_reason(finish, calls)
+                finish = tools.finish_reason(finish, len(calls))
                 content = echo + content if content is not None else (echo or None)
             choices.append(
                 {
@@ -232,9 +232,7 @@ def _tool_stream_chunks(head: dict, stream: ToolStream, completion: Any, tools: 
                 {**head, "choices": [{"index": index, "delta": body, "logprobs": None, "finish_reason": None}]}
             )
     if finish is not None:
-        reason = finish.value
-        if stream.num_calls and reason == "stop" and tools.mode != "named":
-            reason = "tool_calls"
+        reason = tools.finish_reason(finish.value, stream.num_calls)
         choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
         choice["stop_reason"] = completion.stop_reason
         chunks.append({**head, "choices": [choice]})

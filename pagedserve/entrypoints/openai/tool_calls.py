@@ -82,9 +82,9 @@ class ToolPlan:
             return extracted.content, list(extracted.calls)
         return text, []
 
-    def finish_reason(self, finish: str | None, calls: list[ToolCall]) -> str | None:
+    def finish_reason(self, finish: str | None, num_calls: int) -> str | None:
         """OpenAI's: ``tool_calls`` when calls came back (``stop`` for a named choice, as OpenAI does)."""
-        if calls and finish == "stop" and self.mode != "named":
+        if num_calls and finish == "stop" and self.mode != "named":
             return "tool_calls"
         return finish
 
