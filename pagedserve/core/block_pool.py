@@ -85,6 +85,7 @@ class BlockPool:
         self.null_block.ref_cnt = 1
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[int, KVBlock] = {}
+        self.num_cached_free_blocks = 0  # free blocks that still carry a hash (a prefix hit can revive them)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -110,6 +111,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks -= 1
             block.ref_cnt += 1
 
     def allocate(self, num: int) -> list[KVBlock]:
@@ -118,6 +121,8 @@ class BlockPool:
         blocks = []
         for _ in range(num):
             block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self.num_cached_free_blocks -= 1
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
@@ -130,6 +135,8 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks += 1
 
     def cache_block(self, block: KVBlock, block_hash: int, token_ids: Sequence[int]) -> None:
         """Register a full, computed block under its chain hash (first writer wins)."""
@@ -153,3 +160,4 @@ class BlockPool:
             block.block_hash = None
             block.token_ids = None
         self.cached.clear()
+        self.num_cached_free_blocks = 0

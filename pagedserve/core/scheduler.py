@@ -170,6 +170,7 @@ class Scheduler:
             kv_cache_usage=self.kv_cache.usage,
             num_blocks=self.kv_cache.pool.num_usable_blocks,
             num_free_blocks=self.kv_cache.num_free_blocks,
+            num_cached_free_blocks=self.kv_cache.pool.num_cached_free_blocks,
             prefix_cache_queries=self.kv_cache.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache.prefix_cache_hits,
             num_preemptions=self.num_preemptions,

@@ -1,17 +1,22 @@
 """The HTTP app: ``build_app(context)`` = the OpenAI, TGI and admin routes, the server's own routes (health,
-version, load, metrics), middleware, error handlers, and a lifespan that warms up and starts every model's
-engine, and shuts them all down at the end (``launcher.run_server`` serves it)."""
+version, load, metrics), the web pages and offline API docs, middleware (in the order
+docs/middleware.md lists), error handlers, and a lifespan that warms up and starts every model's engine,
+and shuts them all down at the end (``launcher.run_server`` serves it)."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib
+import inspect
 import logging
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
 from starlette.middleware.cors import CORSMiddleware
+from starlette.middleware.gzip import GZipMiddleware
 from starlette.responses import Response
+from starlette.staticfiles import StaticFiles
 
 from pagedserve import __version__
 from pagedserve.entrypoints.admin.routes import router as admin_router
@@ -22,12 +27,16 @@ from pagedserve.entrypoints.middleware import (
     RateLimitMiddleware,
     ServerStateMiddleware,
     TimingMiddleware,
+    TrustedHostMiddleware,
 )
 from pagedserve.entrypoints.model_registry import ModelRegistry
 from pagedserve.entrypoints.model_serving import READY
 from pagedserve.entrypoints.openai.routes import router as openai_router
 from pagedserve.entrypoints.serving.errors import install_error_handlers, json_response
 from pagedserve.entrypoints.tgi.routes import router as tgi_router
+from pagedserve.entrypoints.web.api_docs import add_api_docs
+from pagedserve.entrypoints.web.routes import STATIC_DIR, UI_PREFIX
+from pagedserve.entrypoints.web.routes import router as web_router
 from pagedserve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger("pagedserve.server")
@@ -75,7 +84,13 @@ def build_app(context: ServerContext) -> FastAPI:
         version=__version__,
         lifespan=_lifespan,
         description="OpenAI- and TGI-compatible LLM inference server",
+        docs_url=None,  # served from local assets by add_api_docs
+        redoc_url=None,
     )
+    add_api_docs(app)
+    if context.config.http.web_ui:
+        app.include_router(web_router)
+        app.mount(UI_PREFIX + "/static", StaticFiles(directory=STATIC_DIR), name="ui-static")
     app.include_router(openai_router)
     app.include_router(tgi_router)
     app.include_router(admin_router)
@@ -87,6 +102,8 @@ def build_app(context: ServerContext) -> FastAPI:
 
 
 def _add_middleware(app: FastAPI, context: ServerContext) -> None:
+    """Outermost first: the user's --middleware (the last given first), TrustedHost, CORS, GZip, request
+    id and timing, server state, body limit, API keys, rate limit."""
     options = context.config.http
     # NOTE: add_middleware wraps the app, so the last added runs first (outermost).
     if options.rate_limit:
@@ -97,6 +114,8 @@ def _add_middleware(app: FastAPI, context: ServerContext) -> None:
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
     app.add_middleware(ServerStateMiddleware, state=context.state)
     app.add_middleware(TimingMiddleware)
+    if options.gzip_min_bytes > 0:  # NOTE: Starlette's GZip passes text/event-stream through unbuffered
+        app.add_middleware(GZipMiddleware, minimum_size=options.gzip_min_bytes)
     if options.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -105,6 +124,28 @@ def _add_middleware(app: FastAPI, context: ServerContext) -> None:
             allow_methods=list(options.allowed_methods),
             allow_headers=list(options.allowed_headers),
         )
+    if options.allowed_hosts:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(options.allowed_hosts))
+    for path in options.middleware:
+        add_user_middleware(app, path)
+
+
+def add_user_middleware(app: FastAPI, path: str) -> None:
+    """``--middleware module.Name``: a class is added as ASGI middleware (``app.add_middleware``), an async
+    function ``(request, call_next)`` as an http middleware; anything else is a start-up error."""
+    module_name, _, attribute = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"--middleware {path!r}: expected module.Name")
+    try:
+        target = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--middleware {path!r}: cannot import it ({exc})") from exc
+    if inspect.isclass(target):
+        app.add_middleware(target)
+    elif inspect.iscoroutinefunction(target):
+        app.middleware("http")(target)
+    else:
+        raise ValueError(f"--middleware {path!r}: expected an ASGI middleware class or an async function")
 
 
 @asynccontextmanager
@@ -135,6 +176,7 @@ async def _start_engines(context: ServerContext) -> None:
     for serving in servings:
         serving.state = READY
     context.state.ready = True
+    context.spawn(context.live_stats.run(), name="live-stats")
     logger.info("Warm-up done in %.1f s; ready to serve", time.perf_counter() - start)
     if context.on_ready is not None:
         context.on_ready()

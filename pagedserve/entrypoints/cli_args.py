@@ -153,6 +153,30 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     server.add_argument("--allow-credentials", action="store_true")
     server.add_argument("--rate-limit", default=None, help="per API key (or client IP) limit, e.g. 60/minute")
     server.add_argument(
+        "--allowed-hosts",
+        type=_list_arg,
+        default=None,
+        help="answer only requests whose Host header is one of these, e.g. 'api.example.com,*.example.com' "
+        "(default: any host)",
+    )
+    server.add_argument(
+        "--gzip-min-bytes",
+        type=_size_arg,
+        default=1000,
+        help="gzip non-streaming responses of at least this many bytes for clients that accept it; 0: off",
+    )
+    server.add_argument(
+        "--middleware",
+        action="append",
+        default=None,
+        metavar="MODULE.NAME",
+        help="add an ASGI middleware: a class (app.add_middleware) or an async function(request, call_next) "
+        "(an http middleware); repeatable, the last given runs first",
+    )
+    server.add_argument(
+        "--disable-web-ui", action="store_true", help="no playground at / and no dashboard at /dashboard"
+    )
+    server.add_argument(
         "--max-queued-requests",
         type=int,
         default=1024,
@@ -334,6 +358,10 @@ def http_options_from_args(args: argparse.Namespace) -> HTTPOptions:
         allowed_headers=tuple(args.allowed_headers),
         allow_credentials=args.allow_credentials,
         rate_limit=parse_rate_limit(args.rate_limit) if args.rate_limit else None,
+        allowed_hosts=tuple(args.allowed_hosts or ()),
+        gzip_min_bytes=args.gzip_min_bytes,
+        middleware=tuple(args.middleware or ()),
+        web_ui=not args.disable_web_ui,
         max_request_bytes=args.max_request_bytes,
         max_header_bytes=args.max_header_bytes,
         max_queued_requests=None if args.max_queued_requests < 0 else args.max_queued_requests,

@@ -21,6 +21,7 @@ from pagedserve.entrypoints.middleware import ServerState
 from pagedserve.entrypoints.model_registry import ModelRegistry
 from pagedserve.entrypoints.model_serving import DRAINING, FAILED, ModelServing, build_model_serving
 from pagedserve.entrypoints.server_config import ServerConfig
+from pagedserve.entrypoints.web.live_stats import LiveStats
 from pagedserve.metrics import Metrics
 
 logger = logging.getLogger("pagedserve.server")
@@ -37,6 +38,7 @@ class ServerContext:
     registry: ModelRegistry
     factory: EngineFactory
     admin: AdminService | None = None  # set by build_context
+    live_stats: LiveStats | None = None  # set by build_context
     background_tasks: set[asyncio.Task] = field(default_factory=set)
     on_ready: Callable[[], None] | None = None
     on_fatal: Callable[[str], None] | None = None
@@ -90,4 +92,5 @@ def build_context(
     for spec, core, tokenizer in zip(config.models, cores, tokenizers, strict=True):
         registry.add(context.new_serving(spec, config.names_of(spec), core, tokenizer))
     context.admin = AdminService(context)
+    context.live_stats = LiveStats(metrics, context.engine_sources)
     return context

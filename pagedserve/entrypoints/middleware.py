@@ -1,6 +1,6 @@
 """Pure-ASGI middlewares (no BaseHTTPMiddleware: it breaks streaming and disconnect detection):
 server state (ready / draining / in-flight count), timing headers, body size limit, API keys
-(constant-time) and a per-key-or-IP token-bucket rate limit.
+(constant-time), a per-key-or-IP token-bucket rate limit and the Host header check.
 """
 
 from __future__ import annotations
@@ -35,8 +35,11 @@ OPEN_PATHS = frozenset(
 GUARDED_EXACT = frozenset({"/", "/tokenize", "/detokenize", "/generate", "/generate_stream", "/invocations"})
 
 
-def is_guarded_path(path: str) -> bool:
-    """Inference and tokenizer routes: what API keys and the rate limit apply to."""
+def is_guarded_path(path: str, method: str = "POST") -> bool:
+    """Inference and tokenizer routes: what API keys and the rate limit apply to (``GET /`` is the
+    playground page; TGI's ``POST /`` is guarded)."""
+    if path == "/" and method in ("GET", "HEAD"):
+        return False
     return path in GUARDED_EXACT or path.startswith("/v1/") or path == "/v1"
 
 
@@ -70,7 +73,7 @@ class ServerStateMiddleware:
             await self.app(scope, receive, send)
             return
         state = self.state
-        if is_guarded_path(scope["path"]) and (state.draining or not state.ready):
+        if is_guarded_path(scope["path"], scope["method"]) and (state.draining or not state.ready):
             reason = "shutting down" if state.draining else "starting up (loading and warming up the model)"
             await _send_error(
                 scope,
@@ -203,7 +206,11 @@ class APIKeyMiddleware:
         return matched
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not is_guarded_path(scope["path"]):
+        if (
+            scope["type"] != "http"
+            or scope["method"] == "OPTIONS"
+            or not is_guarded_path(scope["path"], scope["method"])
+        ):
             await self.app(scope, receive, send)
             return
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
@@ -257,7 +264,11 @@ class RateLimitMiddleware:
         return wait
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not is_guarded_path(scope["path"]):
+        if (
+            scope["type"] != "http"
+            or scope["method"] == "OPTIONS"
+            or not is_guarded_path(scope["path"], scope["method"])
+        ):
             await self.app(scope, receive, send)
             return
         wait = self._take(self._client_key(scope))
@@ -272,5 +283,34 @@ class RateLimitMiddleware:
                 headers={"Retry-After": str(max(1, math.ceil(wait)))},
             )
             await _send_error(scope, send, error)
+            return
+        await self.app(scope, receive, send)
+
+
+class TrustedHostMiddleware:
+    """400 unless the Host header names one of ``allowed_hosts``: exact names, ``*.example.com`` for
+    any subdomain, or ``*`` for any host (the port is ignored); guards against DNS rebinding."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: list[str]) -> None:
+        self.app = app
+        self._any = "*" in allowed_hosts
+        self._exact = {host.lower() for host in allowed_hosts if not host.startswith("*")}
+        self._suffixes = tuple(host[1:].lower() for host in allowed_hosts if host.startswith("*."))
+
+    def _allowed(self, host: str) -> bool:
+        if host.startswith("["):  # an IPv6 literal, [::1]:8000 -> ::1
+            host = host[1:].partition("]")[0]
+        else:
+            host = host.rpartition(":")[0] if ":" in host else host
+        host = host.lower()
+        return host in self._exact or (bool(self._suffixes) and host.endswith(self._suffixes))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._any or scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        header = next((v for k, v in scope["headers"] if k == b"host"), b"")
+        if not self._allowed(header.decode("latin-1")):
+            await _send_error(scope, send, APIError("Invalid host header.", 400, code="invalid_host"))
             return
         await self.app(scope, receive, send)

@@ -19,6 +19,10 @@ class HTTPOptions:
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     rate_limit: tuple[int, float] | None = None  # (requests, per seconds), per API key or client IP
+    allowed_hosts: tuple[str, ...] = ()  # Host header check; empty: any host
+    gzip_min_bytes: int = 1000  # compress non-streaming responses at least this big; 0: no GZip
+    middleware: tuple[str, ...] = ()  # import paths of the user's ASGI middleware (class or function)
+    web_ui: bool = True  # the playground at /, the dashboard at /dashboard
     max_request_bytes: int = 8 << 20
     max_header_bytes: int = 64 << 10
     max_queued_requests: int | None = 1024  # beyond the running ones; None: unbounded

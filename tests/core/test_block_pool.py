@@ -135,3 +135,22 @@ def test_allocate_fails_without_side_effects_when_full():
     b = make_request("b", list(range(100, 108)))
     assert not kv.allocate_slots(b, 8)
     assert b.block_ids == [] and kv.num_free_blocks == 0
+
+
+def test_cached_free_count_follows_free_revive_evict_and_reset():
+    pool = BlockPool(6)
+    held = pool.allocate(3)
+    pool.cache_block(held[0], hash_block(None, [1, 2, 3, 4]), [1, 2, 3, 4])
+    pool.cache_block(held[1], hash_block(None, [5, 6, 7, 8]), [5, 6, 7, 8])
+    assert pool.num_cached_free_blocks == 0  # cached but still held
+    pool.free(held)
+    assert (pool.num_free_blocks, pool.num_cached_free_blocks) == (5, 2)
+    pool.touch([held[0]])  # a prefix hit revives one
+    assert (pool.num_free_blocks, pool.num_cached_free_blocks) == (4, 1)
+    pool.allocate(4)  # the rest, so the other cached block is evicted
+    assert (pool.num_free_blocks, pool.num_cached_free_blocks) == (0, 0)
+    pool.free([held[0]])
+    assert pool.num_cached_free_blocks == 1
+    pool.reset_prefix_cache()
+    assert pool.num_cached_free_blocks == 0
+    assert sum(b.block_hash is not None for b in pool.blocks if b.ref_cnt == 0) == 0
