@@ -17,8 +17,8 @@
 
   function appendInline(parent, text) {
     let last = 0;
-    INLINE.lastIndex = 0;
-    for (let match = INLINE.exec(text); match !== null; match = INLINE.exec(text)) {
+    const pattern = new RegExp(INLINE.source, "g"); // one per call: the recursion for bold / em has its own
+    for (let match = pattern.exec(text); match !== null; match = pattern.exec(text)) {
       if (match.index > last) parent.appendChild(document.createTextNode(text.slice(last, match.index)));
       let node;
       if (match[1]) {
@@ -43,7 +43,7 @@
         }
       }
       parent.appendChild(node);
-      last = INLINE.lastIndex;
+      last = pattern.lastIndex;
     }
     if (last < text.length) parent.appendChild(document.createTextNode(text.slice(last)));
   }

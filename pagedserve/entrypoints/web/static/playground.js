@@ -36,8 +36,8 @@
   function explain(error) {
     if (error instanceof HttpError && error.status === 401) {
       return state.config.api_key_required
-        ? "This server needs an API key: enter it in the API key field. (" + error.message + ")"
-        : "Unauthorized: " + error.message;
+        ? "This server needs an API key: enter it in the API key field. (401: " + error.message + ")"
+        : "Unauthorized (401): " + error.message;
     }
     if (error instanceof HttpError) return "Error " + error.status + ": " + error.message;
     return "Error: " + (error && error.message ? error.message : String(error));
@@ -150,11 +150,15 @@
     return parts.join(" · ");
   }
 
-  async function readEvents(response, onEvent) {
+  async function readEvents(response, signal, onEvent) {
     const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+    // Cancel the reader itself on abort: a pending read then ends at once instead of waiting for the
+    // aborted body's error to travel through the decoder.
+    signal.addEventListener("abort", () => reader.cancel().catch(() => {}), { once: true });
     let buffer = "";
     for (;;) {
       const { value, done } = await reader.read();
+      if (signal.aborted) throw new DOMException("stopped", "AbortError");
       if (done) break;
       buffer += value.replace(/\r\n/g, "\n");
       for (let end = buffer.indexOf("\n\n"); end >= 0; end = buffer.indexOf("\n\n")) {
@@ -208,7 +212,7 @@
         signal: controller.signal,
       });
       if (!response.ok) throw new HttpError(response.status, await errorMessage(response));
-      await readEvents(response, (chunk) => {
+      await readEvents(response, controller.signal, (chunk) => {
         if (chunk.error) throw new HttpError(chunk.error.code || 500, chunk.error.message || "stream error");
         if (chunk.model) run.model = chunk.model;
         if (chunk.usage) run.completionTokens = chunk.usage.completion_tokens;
