@@ -1,7 +1,7 @@
 """Keep N headless-Chromium dashboards open on a server for a while (to measure what watching costs).
 
     python scripts/dashboard_load.py --url http://127.0.0.1:8000 --pages 2 --seconds 90 \
-        [--chromium /usr/bin/chromium] [--api-key K]
+        [--chromium /usr/bin/chromium]
 """
 
 from __future__ import annotations
@@ -18,15 +18,12 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=90.0)
     parser.add_argument("--chromium", default="/usr/bin/chromium")
-    parser.add_argument("--api-key", default=None)
     args = parser.parse_args()
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=args.chromium, headless=True)
         pages = []
         for _ in range(args.pages):
             page = browser.new_context().new_page()
-            if args.api_key:
-                page.add_init_script(f"sessionStorage.setItem('pagedserve.apiKey', {args.api_key!r})")
             page.goto(args.url.rstrip("/") + "/dashboard")
             pages.append(page)
         deadline = time.monotonic() + args.seconds
