@@ -47,10 +47,18 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     served_model_name: str | None = None
     seed: int = 0
+    # weight storage: None (the default: `gguf` for a .gguf file, `none` otherwise) | none | int8 | int4 | gguf
+    quantization: str | None = None
+    quantization_group_size: int = 32  # int4: input features per scale (32, 64 or 128)
+    quantization_symmetric: bool = False  # int4: no zero-points
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.quantization not in (None, "none", "int8", "int4", "gguf"):
+            raise ValueError(f"quantization must be none, int8, int4 or gguf, not {self.quantization!r}")
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError("quantization_group_size must be 32, 64 or 128")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
 

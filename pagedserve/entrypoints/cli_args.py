@@ -74,6 +74,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     model.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's own)")
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    model.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["none", "int8", "int4", "gguf"],
+        help="weight storage: int8 (per output channel) or int4 (group-wise) quantized at load time from any model; "
+        "gguf keeps a .gguf file's quantized tensors in their own format; none dequantizes them to --dtype "
+        "(default: none; see docs/quantization.md)",
+    )
+    model.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=32,
+        choices=[32, 64, 128],
+        help="int4: input features sharing one scale (default: 32)",
+    )
+    model.add_argument("--quantization-symmetric", action="store_true", help="int4: symmetric values, no zero-points")
     model.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     model.add_argument(
         "--served-model-name",
@@ -389,6 +406,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len,
             served_model_name=None,
             seed=args.seed,
+            quantization=args.quantization,
+            quantization_group_size=args.quantization_group_size,
+            quantization_symmetric=args.quantization_symmetric,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -47,9 +47,21 @@ class LLM:
         device: str = "auto",
         num_threads: int | None = None,
         max_logprobs: int = 20,
+        quantization: str | None = None,
+        quantization_group_size: int = 32,
+        quantization_symmetric: bool = False,
     ) -> None:
         config = EngineConfig(
-            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            model=ModelConfig(
+                model=model,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                quantization=quantization,
+                quantization_group_size=quantization_group_size,
+                quantization_symmetric=quantization_symmetric,
+            ),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=parse_size(kv_cache_memory),

@@ -3,7 +3,8 @@
 ``load_cpu_kernels()`` returns the compiled module, or None when it cannot be built (no compiler,
 no ninja): callers then fall back to the plain PyTorch reference path. The build uses
 ``-march=native``, so its cache entry is named after the CPU's feature flags: a cache shared with
-an older CPU (a shared home, a container image) is never loaded there.
+an older CPU (a shared home, a container image) is never loaded there; and after the sources, so
+that checkouts of different versions never rebuild (or load) each other's module.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _SOURCE_NAMES = (
     "sampling_cpu.cpp",
     "linear_amx_cpu.cpp",
     "linear_avx512_bf16_cpu.cpp",
+    "linear_quant_cpu.cpp",
 )
 _SOURCES = [os.path.join(_CSRC, name) for name in _SOURCE_NAMES]
 
@@ -37,7 +39,7 @@ def load_cpu_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        name = f"pagedserve_cpu_kernels_{_cpu_fingerprint()}"
+        name = f"pagedserve_cpu_kernels_{_cpu_fingerprint()}_{_sources_fingerprint()}"
         _remove_stale_build_lock(name)
 
         # NOTE: no -ffast-math: it links crtfastmath, which turns on flush-to-zero for the whole process
@@ -54,6 +56,15 @@ def load_cpu_kernels() -> ModuleType | None:
         logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch reference attention", exc)
         return None
     return module
+
+
+def _sources_fingerprint() -> str:
+    """8 hex digits naming the kernel sources: two checkouts with different sources never share a build."""
+    digest = hashlib.sha256()
+    for path in sorted(_SOURCES + [os.path.join(_CSRC, n) for n in os.listdir(_CSRC) if n.endswith(".h")]):
+        with open(path, "rb") as source:
+            digest.update(source.read())
+    return digest.hexdigest()[:8]
 
 
 def _cpu_fingerprint() -> str:

@@ -1,4 +1,5 @@
-"""Reads llama.cpp GGUF files: metadata -> a transformers config, and dequantized tensors under Hugging Face names.
+"""Reads llama.cpp GGUF files: metadata -> a transformers config, and tensors under Hugging Face names
+(dequantized, or kept in their block format as ``GroupQuantized`` where ``gguf_quants`` reads it).
 
 llama.cpp permutes the rows of ``attn_q``/``attn_k`` (rotary pairs interleaved) for the llama
 architecture; ``iter_gguf_weights`` undoes that, matching transformers' own GGUF loader.
@@ -15,7 +16,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
 
+from pagedserve.models.gguf_quants import GGUF_KEPT_TYPES, decode_gguf_tensor
 from pagedserve.models.layers import compute_inv_freq
+from pagedserve.models.quantization import GroupQuantized
 from pagedserve.models.registry import ModelLoadError
 
 # general.architecture -> (HF architecture name, config class, q/k rows permuted by llama.cpp)
@@ -151,8 +154,12 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 
-def iter_gguf_weights(reader, config: PretrainedConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantized float32 tensors with Hugging Face names; tensors we have no use for are skipped."""
+def iter_gguf_weights(
+    reader, config: PretrainedConfig, arch: str, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
+    """Tensors with Hugging Face names: float32, or with ``keep_quantized`` the 2-D tensors of the
+    block types ``gguf_quants`` reads as ``GroupQuantized`` (the others dequantized); tensors we have
+    no use for are skipped."""
     from gguf.quants import dequantize
 
     permuted = _GGUF_ARCHITECTURES[arch][2]
@@ -160,15 +167,27 @@ def iter_gguf_weights(reader, config: PretrainedConfig, arch: str) -> Iterator[t
         name = _hf_tensor_name(tensor.name)
         if name is None:
             continue
-        try:
-            array = dequantize(tensor.data, tensor.tensor_type)  # [rows, cols] in HF order, float32
-        except NotImplementedError as exc:
-            raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}") from exc
-        if not array.flags.writeable or not array.flags.c_contiguous or array.dtype != np.float32:
-            array = np.array(array, dtype=np.float32)  # NOTE: unquantized tensors come back as read-only mmap views
-        weight = torch.from_numpy(array)
+        type_name = tensor.tensor_type.name
+        weight: torch.Tensor | GroupQuantized
+        if keep_quantized and type_name in GGUF_KEPT_TYPES and len(tensor.shape) == 2:
+            cols, rows = (int(n) for n in tensor.shape)  # NOTE: GGUF lists dimensions innermost first
+            weight = decode_gguf_tensor(tensor.data, type_name, (rows, cols))
+        else:
+            try:
+                array = dequantize(tensor.data, tensor.tensor_type)  # [rows, cols] in HF order, float32
+            except NotImplementedError as exc:
+                raise ModelLoadError(f"cannot dequantize {tensor.name} ({type_name}): {exc}") from exc
+            if not array.flags.writeable or not array.flags.c_contiguous or array.dtype != np.float32:
+                array = np.array(array, dtype=np.float32)  # NOTE: unquantized tensors come back as read-only mmap views
+            weight = torch.from_numpy(array)
         if permuted and ".self_attn.q_proj." in name:
-            weight = _unpermute_rows(weight, config.num_attention_heads)
+            weight = _unpermute(weight, config.num_attention_heads)
         elif permuted and ".self_attn.k_proj." in name:
-            weight = _unpermute_rows(weight, config.num_key_value_heads)
+            weight = _unpermute(weight, config.num_key_value_heads)
         yield name, weight
+
+
+def _unpermute(weight: torch.Tensor | GroupQuantized, num_heads: int) -> torch.Tensor | GroupQuantized:
+    if isinstance(weight, GroupQuantized):
+        return weight.map_rows(lambda rows: _unpermute_rows(rows, num_heads).contiguous())
+    return _unpermute_rows(weight, num_heads)

@@ -1,5 +1,5 @@
-"""Building blocks of decoder-only transformers: linear layers with fused-shard loading, RMSNorm
-(with a fused residual add), rotary position embedding (default, linear and llama3 scaling) and
+"""Building blocks of decoder-only transformers: linear layers with fused-shard loading (and
+optionally quantized weights), the token embedding, RMSNorm (with a fused residual add), rotary position embedding (default, linear and llama3 scaling) and
 the SiLU-and-mul activation.
 """
 
@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.models.quantization import GroupQuantized, QuantizedWeight
+
 # Up to this many rows (tokens in a step) the AMX kernel beats oneDNN's packed matmul on the
 # default model's shapes; from about 256 rows (prefill) oneDNN is as fast or faster
 # (measurements in docs/design/cpu-performance.md).
@@ -25,7 +27,9 @@ class Linear(nn.Module):
     ``shard_sizes`` names the packed parts in order (``{"q": 576, "k": 192, "v": 192}``);
     ``weight_loader`` copies one checkpoint tensor into its rows. Parameters are created
     uninitialized (a checkpoint always overwrites them), unless ``weight`` shares an existing
-    one (tied embeddings).
+    one (tied embeddings). ``quant`` (set by ``quantize_model``) replaces the weight by a
+    quantized one; a GGUF loader hands its quantized shards to ``weight_loader`` as
+    ``GroupQuantized`` and ``install_staged_quant`` joins them.
     """
 
     def __init__(
@@ -53,6 +57,8 @@ class Linear(nn.Module):
         # [out/16, in/2, 16, 2] pair-interleaved slices for AVX512-BF16 dot products (CPUs without AMX), see pack_weight()
         self.vnni_weight: torch.Tensor | None = None
         self.vnni_kernels: ModuleType | None = None  # the C++ kernels whose linear_avx512_bf16 reads vnni_weight
+        self.quant: QuantizedWeight | None = None  # a quantized weight in place of `weight`
+        self.staged_quant: dict[str | int | None, GroupQuantized] = {}  # quantized checkpoint shards, by shard id
         if shard_sizes is not None:
             if sum(shard_sizes.values()) != out_features:
                 raise ValueError(f"shard sizes {shard_sizes} do not add up to {out_features}")
@@ -64,9 +70,11 @@ class Linear(nn.Module):
     @property
     def is_packed(self) -> bool:
         """True once pack_weight() has given this layer a copy in a kernel's layout."""
-        return self.packed_weight is not None or self.vnni_weight is not None
+        return self.packed_weight is not None or self.vnni_weight is not None or self.quant is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.matmul(x, self.bias)
         if self.vnni_weight is not None:
             return self.vnni_kernels.linear_avx512_bf16(x, self.vnni_weight, self.bias)
         if self.amx_weight is not None and x.dim() == 2 and x.size(0) <= AMX_LINEAR_MAX_ROWS:
@@ -111,10 +119,22 @@ class Linear(nn.Module):
         if release_original:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        """Copy ``loaded`` into ``param`` (this layer's weight or bias), or into one shard of it."""
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor | GroupQuantized, shard_id: str | int | None = None
+    ) -> None:
+        """Copy ``loaded`` into ``param`` (this layer's weight or bias), or into one shard of it;
+        a quantized weight (or shard) is kept aside for ``install_staged_quant``."""
         if self.is_packed:
             raise RuntimeError("weights cannot be loaded into a Linear after pack_weight()")
+        if isinstance(loaded, GroupQuantized):
+            expected = (
+                self.shard_offsets[shard_id][1] if shard_id is not None else self.out_features,
+                self.in_features,
+            )
+            if param is not self.weight or loaded.shape != expected:
+                raise ValueError(f"shape mismatch: parameter {expected} vs quantized checkpoint {loaded.shape}")
+            self.staged_quant[shard_id] = loaded
+            return
         target = param.data
         if shard_id is not None:
             offset, size = self.shard_offsets[shard_id]
@@ -123,22 +143,62 @@ class Linear(nn.Module):
             raise ValueError(f"shape mismatch: parameter {tuple(target.shape)} vs checkpoint {tuple(loaded.shape)}")
         target.copy_(loaded)
 
+    def install_staged_quant(self) -> None:
+        """Make the staged quantized shards this layer's weight (``quant``); a layer whose shards
+        came only partly quantized gets the quantized ones dequantized into its plain weight."""
+        if not self.staged_quant:
+            return
+        shard_ids = list(self.shard_offsets) if self.shard_offsets else [None]
+        if all(shard_id in self.staged_quant for shard_id in shard_ids):
+            self.quant = GroupQuantized.cat_rows([self.staged_quant[shard_id] for shard_id in shard_ids])
+        else:
+            for shard_id, part in self.staged_quant.items():
+                target = self.weight.data
+                if shard_id is not None:
+                    target = target.narrow(0, *self.shard_offsets[shard_id])
+                target.copy_(part.dequantize(target.dtype))
+        self.staged_quant = {}
+
     def extra_repr(self) -> str:
         packed = ", packed" if self.packed_weight is not None else ""
         packed += ", amx" if self.amx_weight is not None else ""
         packed += ", avx512-bf16" if self.vnni_weight is not None else ""
+        packed += f", quantized ({type(self.quant).__name__})" if self.quant is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{packed}"
 
 
 class Embedding(nn.Module):
-    """Token embedding table ``[vocab_size, hidden_size]``, created uninitialized."""
+    """Token embedding table ``[vocab_size, hidden_size]``, created uninitialized; with ``quant``
+    set, rows are dequantized from the quantized table as they are looked up."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.dtype = dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
+        self.quant: QuantizedWeight | None = None
+        self.staged_quant: GroupQuantized | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.lookup(input_ids, self.dtype)
         return F.embedding(input_ids, self.weight)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | GroupQuantized, shard_id: None = None) -> None:
+        """Copy ``loaded`` into the table, or keep a quantized table for ``install_staged_quant``."""
+        expected = (self.num_embeddings, self.embedding_dim)
+        shape = loaded.shape if isinstance(loaded, GroupQuantized) else tuple(loaded.shape)
+        if param is not self.weight or tuple(shape) != expected:
+            raise ValueError(f"shape mismatch: embedding {expected} vs checkpoint {tuple(shape)}")
+        if isinstance(loaded, GroupQuantized):
+            self.staged_quant = loaded
+        else:
+            param.data.copy_(loaded)
+
+    def install_staged_quant(self) -> None:
+        if self.staged_quant is not None:
+            self.quant, self.staged_quant = self.staged_quant, None
 
 
 class RMSNorm(nn.Module):

@@ -220,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
                 unexpected.append(name)
                 continue
             module = self.get_submodule(param_name.rsplit(".", 1)[0])
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, Embedding)):
                 module.weight_loader(param, tensor, shard_id)
             else:
                 _copy_checked(param, tensor, name)

@@ -23,6 +23,8 @@ from pagedserve.config import ModelConfig
 from pagedserve.models import gguf_loader
 from pagedserve.models.default_model import default_model_path
 from pagedserve.models.names import derive_model_name
+from pagedserve.models.quantization import QuantizationConfig
+from pagedserve.models.quantize_model import quantize_model
 from pagedserve.models.registry import ModelLoadError, get_model_class
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class LoadedModel:
     head_dim: int
     vocab_size: int
     generation_config: dict[str, Any]
+    quantization: str = "none"  # how the weights are stored: none | int8 | int4 | gguf
 
 
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
@@ -96,9 +99,12 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
         generation_config = _read_generation_config(path)
     model_class = get_model_class(getattr(hf_config, "architectures", None))
     max_model_len = _resolve_max_model_len(model_config.max_model_len, hf_config)
+    quantization = resolve_quantization(model_config, is_gguf)
     if is_gguf:
         eos_token_ids = gguf_loader.gguf_eos_token_ids(metadata)
-        weights = gguf_loader.iter_gguf_weights(reader, hf_config, metadata["general.architecture"])
+        weights = gguf_loader.iter_gguf_weights(
+            reader, hf_config, metadata["general.architecture"], keep_quantized=quantization.method == "gguf"
+        )
     else:
         eos_token_ids = _collect_eos_token_ids(hf_config, generation_config)
         weights = iter_safetensors_weights(path)
@@ -108,6 +114,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
         with torch.device(device):
             model = model_class(hf_config, dtype=dtype)
         model.load_weights(weights)
+        quantize_model(model, quantization)
     except ValueError as exc:
         raise ModelLoadError(f"cannot build the model from {path!r}: {exc}") from exc
     model.eval()
@@ -123,7 +130,17 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
         head_dim=model.head_dim,
         vocab_size=hf_config.vocab_size,
         generation_config=generation_config,
+        quantization=quantization.method,
     )
+
+
+def resolve_quantization(model_config: ModelConfig, is_gguf: bool) -> QuantizationConfig:
+    """The weight storage to use: ``model_config.quantization``, or by default the GGUF file's own
+    format for a .gguf model and the model dtype otherwise."""
+    method = model_config.quantization or "none"
+    if method == "gguf" and not is_gguf:
+        raise ModelLoadError("quantization 'gguf' needs a .gguf model file; use int8 or int4 for other models")
+    return QuantizationConfig(method, model_config.quantization_group_size, model_config.quantization_symmetric)
 
 
 def _check_model_path(path: str) -> bool:

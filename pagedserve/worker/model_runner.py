@@ -8,6 +8,7 @@ samples.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -17,10 +18,13 @@ from torch import nn
 from pagedserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.kernels import load_cpu_kernels
 from pagedserve.models.attention import build_attention_metadata
+from pagedserve.models.quantize_model import pack_quantized_weights, weight_bytes
 from pagedserve.outputs import TokenLogprob
 from pagedserve.worker.cpu_fast_paths import can_pack_linear_weights, pack_linear_weights, use_fused_ops
 from pagedserve.worker.host_memory import zeros_on_huge_pages
 from pagedserve.worker.sampler import Sampler, SamplingRow
+
+logger = logging.getLogger(__name__)
 
 
 def kv_cache_bytes_per_block(
@@ -69,10 +73,14 @@ class ModelRunner:
         # the own generator of each seeded sample, by Request.key: made when the sample first samples, kept
         # while it is preempted (its recompute draws on where it left off), dropped once it is finished
         self._generators: dict[tuple[str, int], torch.Generator] = {}
+        if kernels is not None and dtype == torch.bfloat16 and kernels.has_quant_linear():
+            pack_quantized_weights(model, kernels)
         if use_cpu_kernels and can_pack_linear_weights(device, dtype):
             pack_linear_weights(model, batch_size_hint, kernels)
             if kernels is not None and dtype == torch.bfloat16:
                 use_fused_ops(model, kernels)
+        self.weight_bytes = weight_bytes(model)  # resident, packed and quantized copies included
+        logger.info("model weights: %.1f MiB resident", self.weight_bytes / 2**20)
 
     @torch.inference_mode()
     def execute_model(
