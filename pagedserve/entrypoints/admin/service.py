@@ -110,8 +110,10 @@ class AdminService:
         return spec, task
 
     def _spec_for(self, request: LoadModelRequest) -> ModelSpec:
-        if request.quantization not in (None, "none"):
-            raise bad_request("quantization is not supported yet; load a quantized .gguf file instead.", "quantization")
+        if request.quantization not in (None, "none", "int8", "int4", "gguf"):
+            raise bad_request("quantization must be one of none, int8, int4, gguf.", "quantization")
+        if request.quantization == "gguf" and not request.model.endswith(".gguf"):
+            raise bad_request("quantization 'gguf' needs a .gguf model file; use int8 or int4.", "quantization")
         check_model_path(request.model)
         current = self.context.registry.get(request.name)
         name = current.name if current is not None else request.name  # an alias swaps its model
@@ -122,6 +124,7 @@ class AdminService:
             tokenizer=None,
             dtype=request.dtype or base.engine_config.model.dtype,
             served_model_name=name,
+            quantization=request.quantization or base.engine_config.model.quantization,
         )
         replicas = request.replicas or (current.spec.replicas if current is not None else 1)
         if self.context.config.cluster is None and replicas != 1:
