@@ -128,6 +128,7 @@ def test_bad_loads_are_400s_and_leave_the_old_engine(models_server, tmp_path):
         ({"name": ALT, "model": str(tmp_path / "missing.gguf")}, "model"),
         ({"name": ALT, "model": str(not_a_model)}, "model"),
         ({"name": ALT, "model": default_model_path(), "quantization": "awq"}, "quantization"),
+        ({"name": ALT, "model": str(tmp_path), "quantization": "gguf"}, "quantization"),  # not a .gguf file
         ({"name": ALT, "model": default_model_path(), "dtype": "int4"}, "dtype"),
         ({"name": ALT, "model": default_model_path(), "engine": "vllm"}, "engine"),
         ({"name": ALT, "model": default_model_path(), "replicas": 2}, None),
