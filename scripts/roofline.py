@@ -3,6 +3,7 @@
 decode roofline of the default model (SmolLM2-135M) in output tokens/s.
 
     .venv/bin/python scripts/roofline.py [--threads 2] [--context-len 150] [--json out.json]
+        [--tpot none=19.5 gguf=9.7 ...]   # measured c=1 TPOT (ms) per --quantization scheme: share of the roofline
 
 Decode of one token costs ~2 FLOP per weight (the tied embedding counts once, as the LM head)
 and must read every weight once per step plus each sequence's KV cache. A batch of B
@@ -59,6 +60,19 @@ def count_params(shape: dict[str, int]) -> tuple[int, int]:
 
 
 BATCHES = (1, 16, 64, 256)
+
+# bytes per weight of each --quantization scheme on the default model: (decoder layers, lm_head / embedding)
+# none: bf16; int8: int8 + a float16 scale per row; int4: 4 bits + float16 scale and zero per 32 (lm_head int8
+# per row); gguf: the file's Q4_1 (4 bits + float16 d and m per 32) and Q8_0 (8 bits + float16 d per 32)
+SCHEME_BYTES_PER_WEIGHT = {"none": (2.0, 2.0), "int8": (1.0, 1.0), "int4": (0.625, 1.0), "gguf": (0.625, 34 / 32)}
+
+
+def weight_bytes_per_token(shape: dict[str, int], scheme: str) -> float:
+    """Bytes of weights one decode step reads under ``scheme`` (row scales of int8 are negligible)."""
+    weights, _ = count_params(shape)
+    lm_head = shape["vocab"] * shape["hidden"]
+    body, head = SCHEME_BYTES_PER_WEIGHT[scheme]
+    return (weights - lm_head) * body + lm_head * head
 
 
 def _time(fn, min_time: float = 1.0) -> float:
@@ -141,6 +155,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
     parser.add_argument("--context-len", type=int, default=150, help="mean context per sequence while decoding")
     parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument(
+        "--tpot",
+        nargs="*",
+        default=[],
+        metavar="SCHEME=MS",
+        help="measured concurrency-1 TPOT per --quantization scheme, e.g. none=19.5 gguf=9.7: printed as a share "
+        "of the memory-bandwidth roofline",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     shape = model_shape_from_default()
@@ -178,6 +200,19 @@ def main() -> None:
             f"saturated {name} decode (peak GEMM / FLOP per token, attention ignored): {value:.0f} tokens/s; "
             f"60% of it: {0.6 * value:.0f} tokens/s{mark}"
         )
+    measured = dict(item.split("=", 1) for item in args.tpot)
+    print(f"\nconcurrency-1 decode per --quantization scheme (weights only, at {best_bw:.1f} GB/s)")
+    schemes = {}
+    for scheme in SCHEME_BYTES_PER_WEIGHT:
+        step_bytes = weight_bytes_per_token(shape, scheme) + args.context_len * kv_per_token * 2
+        floor_ms = 1e3 * step_bytes / (best_bw * 1e9)
+        schemes[scheme] = {"bytes_per_token": step_bytes, "roofline_tpot_ms": floor_ms}
+        line = f"{scheme:5s} {step_bytes / 1e6:7.1f} MB per token, roofline TPOT {floor_ms:5.2f} ms"
+        if scheme in measured:
+            tpot = float(measured[scheme])
+            schemes[scheme]["measured_tpot_ms"] = tpot
+            line += f"; measured {tpot:.1f} ms = {floor_ms / tpot:.0%} of the roofline"
+        print(line)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:
             json.dump(
@@ -191,6 +226,7 @@ def main() -> None:
                     "saturated_bf16_tokens_per_s": saturated["bfloat16"],
                     "saturated_fp32_tokens_per_s": saturated["float32"],
                     "auto_dtype": served,
+                    "quantization_c1": schemes,
                 },
                 file,
                 indent=2,

@@ -7,7 +7,7 @@ scale (and optionally one zero-point) per group of ``group_size`` input features
 symmetric), ``int4`` (groups of 32 or 128, symmetric or with zero-points) and the GGUF block
 formats (read in ``gguf_quants``) all become one. On a CPU with the C++ kernels
 (AVX512-BF16) ``pack_for_cpu`` lays it out once for ``linear_quant_avx512`` (4-bit values two to
-a byte, float16 scales); elsewhere (CUDA, other CPUs) the matmul dequantizes the weight and
+a byte, float16 scales; with AVX512-VNNI, 4-bit weights multiply int8-quantized activations); elsewhere (CUDA, other CPUs) the matmul dequantizes the weight and
 runs the plain matmul.
 """
 
@@ -161,8 +161,9 @@ class PackedQuantWeight:
         return self.qweight.nbytes + self.scales.nbytes + self.zeros.nbytes
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # NOTE: 4-bit weights take int8 activations (per row and group) where the kernels have AVX512-VNNI
         return self.kernels.linear_quant_avx512(
-            x, self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.offset, bias
+            x, self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.offset, bias, self.bits == 4
         )
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

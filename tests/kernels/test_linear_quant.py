@@ -25,8 +25,19 @@ FORMATS = {
 }
 
 
-def reference(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """float32 matmul over the float32 weight the packed one stores (scales rounded to float16)."""
+def int8_activations(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x as the int8-activation path sees it: per row and group, round(x * 127 / max|x|) * max|x| / 127."""
+    rows = x.float().reshape(-1, x.shape[-1] // group_size, group_size)
+    amax = rows.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(rows * inverse) * (amax / 127.0)).reshape(x.shape)
+
+
+def reference(x: torch.Tensor, weight, bias: torch.Tensor | None, packed=None) -> torch.Tensor:
+    """float32 matmul over the float32 weight the packed one stores (scales rounded to float16), and over
+    int8-quantized activations where ``packed`` takes them."""
+    if packed is not None and packed.bits == 4 and packed.kernels.has_int8_activation_linear():
+        x = int8_activations(x, weight.group_size)
     n, k = weight.shape
     groups = k // weight.group_size
     scales = weight.scales.half().float()
@@ -52,7 +63,7 @@ def test_matches_the_dequantized_matmul(kernels, rows, fmt, out_features, in_fea
     assert packed.bits == (8 if fmt.startswith("int8") else 4)
     x = torch.randn(rows, in_features).to(BF16)
     b = torch.randn(out_features).to(BF16) if bias else None
-    assert_close_to_reference(packed.matmul(x, b), reference(x, weight, b))
+    assert_close_to_reference(packed.matmul(x, b), reference(x, weight, b, packed))
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
@@ -63,7 +74,7 @@ def test_gguf_blocks_run_in_their_own_bit_width(kernels, type_name, rows):
     assert packed.bits == (8 if type_name in ("Q8_0", "Q6_K") else 4)
     assert packed.offset == (8 if type_name == "Q4_0" else 0)
     x = torch.randn(rows, 512).to(BF16)
-    assert_close_to_reference(packed.matmul(x, None), reference(x, weight, None))
+    assert_close_to_reference(packed.matmul(x, None), reference(x, weight, None, packed))
 
 
 def test_batched_strided_and_empty_input(kernels):
@@ -71,12 +82,28 @@ def test_batched_strided_and_empty_input(kernels):
     packed = pack_for_cpu(weight, kernels)
     wide = torch.randn(5, 128).to(BF16)
     x = wide[:, 32:96]  # rows 128 elements apart
-    assert_close_to_reference(packed.matmul(x, None), reference(x, weight, None))
+    assert_close_to_reference(packed.matmul(x, None), reference(x, weight, None, packed))
     batched = torch.randn(2, 3, 64).to(BF16)
     out = packed.matmul(batched, None)
     assert out.shape == (2, 3, 32)
-    assert_close_to_reference(out, reference(batched, weight, None))
+    assert_close_to_reference(out, reference(batched, weight, None, packed))
     assert packed.matmul(torch.empty(0, 64, dtype=BF16), None).shape == (0, 32)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+def test_4bit_weights_with_and_without_int8_activations(kernels, rows):
+    # the bf16-activation path is exact up to one rounding; the int8 one is exact on the quantized
+    # activations, and within their quantization error (~1 %) of the bf16 result
+    weight = quantize_int4(torch.randn(64, 256) / 16, 32, False)
+    packed = pack_for_cpu(weight, kernels)
+    x = torch.randn(rows, 256).to(BF16)
+    call = kernels.linear_quant_avx512
+    exact = call(x, packed.qweight, packed.scales, packed.zeros, 4, 32, packed.offset, None, False)
+    assert_close_to_reference(exact, reference(x, weight, None))
+    if kernels.has_int8_activation_linear():
+        fast = call(x, packed.qweight, packed.scales, packed.zeros, 4, 32, packed.offset, None, True)
+        assert_close_to_reference(fast, reference(int8_activations(x, 32), weight, None))
+        assert (fast.float() - exact.float()).norm() < 0.02 * exact.float().norm()
 
 
 def test_packed_lookup_reads_the_rows_back(kernels):

@@ -10,8 +10,10 @@ void rotary_embedding_(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor argmax_rows(torch::Tensor logits);
 bool has_quant_linear();
+bool has_int8_activation_linear();
 torch::Tensor linear_quant_avx512(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
-                                  int64_t bits, int64_t group_size, int64_t offset, c10::optional<torch::Tensor> bias);
+                                  int64_t bits, int64_t group_size, int64_t offset, c10::optional<torch::Tensor> bias,
+                                  bool int8_activations);
 bool has_prefill_attention();
 bool has_amx_prefill_attention();
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
@@ -55,9 +57,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_avx512_bf16", &linear_avx512_bf16,
         "x @ W.T (+ bias) in bf16 with AVX512-BF16 dot products, W packed by pack_linear_weight_vnni", ReleaseGil());
   m.def("has_quant_linear", &has_quant_linear, "Whether linear_quant_avx512 was built (AVX512-BF16)", ReleaseGil());
+  m.def("has_int8_activation_linear", &has_int8_activation_linear,
+        "Whether linear_quant_avx512 multiplies 4-bit weights with int8 activations here (AVX512-VNNI)", ReleaseGil());
   m.def("linear_quant_avx512", &linear_quant_avx512,
         "x @ W.T (+ bias) in bf16 for 4- or 8-bit weights with group-wise float16 scales (and zero-points)",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("zeros"), py::arg("bits"), py::arg("group_size"),
-        py::arg("offset"), py::arg("bias") = py::none(), ReleaseGil());
+        py::arg("offset"), py::arg("bias") = py::none(), py::arg("int8_activations") = false, ReleaseGil());
   m.def("argmax_rows", &argmax_rows, "Index of each row's largest logit, as torch.max(dim=-1).indices", ReleaseGil());
 }

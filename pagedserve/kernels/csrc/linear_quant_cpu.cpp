@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -31,7 +32,12 @@ namespace {
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr int kRowGroup = 8;  // rows whose sums share each weight vector
-constexpr int kDirectRows = 16;  // up to this many rows, weights are widened in registers (see linear_quant_dispatch)
+constexpr int kDirectRows = 16;
+#if defined(__AVX512VNNI__)
+constexpr bool kHasVnni = true;
+#else
+constexpr bool kHasVnni = false;
+#endif  // up to this many rows, weights are widened in registers (see linear_quant_dispatch)
 
 typedef int32_t __attribute__((may_alias)) bf16_pair;
 
@@ -276,14 +282,164 @@ void linear_quant_wide(const at::BFloat16* x, int64_t M, int64_t K, const uint8_
 }
 
 // Few rows: more slices per block, so that the dot products have independent chains.
-// Up to kDirectRows rows: the integer path; more: dequantized blocks (see kWideSlices).
+#if defined(__AVX512VNNI__)
+// 4-bit weights with int8 activations (any row count; the default for 4 bits where the CPU has
+// AVX512-VNNI): integer dot products (vpdpbusd, 4 products per lane where vdpbf16ps has 2) against
+// activations quantized to int8 per row and weight group (scale = the group's max |x| / 127, as
+// llama.cpp's Q8 activations), summed exactly in int32 per group and scaled once per group. A
+// chunk's 32 bytes widen into the 16 lanes of 4 consecutive nibbles each with one shift and one
+// logic op. About 2x fewer instructions per weight than the bf16 paths, at every row count.
+struct QuantizedRows {
+  std::vector<int8_t> values;  // [M, K]
+  std::vector<float> scales;   // [M, groups]
+  std::vector<float> sums;     // [M, groups]: sum of the quantized x (times its scale), for zero-points and offsets
+};
+
+inline QuantizedRows quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t group_size) {
+  const int64_t groups = K / group_size;
+  QuantizedRows q{std::vector<int8_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups)};
+  for (int64_t i = 0; i < M * groups; ++i) {
+    const at::BFloat16* xg = x + i * group_size;
+    float amax = 0.f;
+    for (int64_t j = 0; j < group_size; ++j) amax = std::max(amax, std::fabs(static_cast<float>(xg[j])));
+    const float scale = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t qsum = 0;  // the quantized values' sum: offsets and zero-points then cancel exactly
+    for (int64_t j = 0; j < group_size; ++j) {
+      const int8_t v = static_cast<int8_t>(std::nearbyint(static_cast<float>(xg[j]) * inverse));
+      q.values[i * group_size + j] = v;
+      qsum += v;
+    }
+    q.scales[i] = scale;
+    q.sums[i] = scale * static_cast<float>(qsum);
+  }
+  return q;
+}
+
+template <int R, int T>
+inline void vnni_block(const int8_t* qx, const float* sx, const float* xsum, int64_t K, const uint8_t* w,
+                       int64_t slice_bytes, const at::Half* scales, const at::Half* zeros, int64_t slice_scales,
+                       int64_t group_size, int64_t groups, int offset, const float* bias, int64_t N, int64_t col0,
+                       at::BFloat16* out) {
+  __m512 acc[R][T];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  typedef int32_t __attribute__((may_alias)) quad;
+  const auto* quads = reinterpret_cast<const quad*>(qx);
+  const int64_t k_quads = K / 4, group_quads = group_size / 4;
+  const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[R][T];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) dot[r][t] = _mm512_setzero_si512();
+    for (int64_t q = g * group_quads; q < (g + 1) * group_quads; ++q) {
+      __m512i wv[T];
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) {
+        // lane c: bytes 2c and 2c+1 of the chunk; low nibbles are k = 4q, 4q+1, high ones 4q+2, 4q+3
+        const __m512i d = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + t * slice_bytes + q * 32)));
+        wv[t] = _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), nibbles, 0xA8);  // (d | d << 12) & 0x0F0F0F0F
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i xq = _mm512_set1_epi32(quads[r * k_quads + q]);
+#pragma GCC unroll 4
+        for (int t = 0; t < T; ++t) dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], wv[t], xq);
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) {
+      const int64_t at = t * slice_scales + g * 16;
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
+      __m512 z = zeros != nullptr ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(zeros + at)))
+                                  : _mm512_setzero_ps();
+      z = _mm512_fnmadd_ps(s, _mm512_set1_ps(static_cast<float>(offset)), z);  // stored = q + offset
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(sx[r * groups + g]));
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][t]), scale, acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), z, acc[r][t]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < T; ++t) {
+    const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + col0 + 16 * t) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) pagedserve::store_bf16x16(out + r * N + col0 + 16 * t, _mm512_add_ps(acc[r][t], b));
+  }
+}
+
+template <int R, int T>
+inline void vnni_rows(int64_t rows, int64_t slices, const int8_t* qx, const float* sx, const float* xsum, int64_t K,
+                      const uint8_t* w, int64_t slice_bytes, const at::Half* scales, const at::Half* zeros,
+                      int64_t slice_scales, int64_t group_size, int64_t groups, int offset, const float* bias,
+                      int64_t N, int64_t col0, at::BFloat16* out) {
+  if constexpr (R > 1) {
+    if (rows < R) {
+      vnni_rows<R - 1, T>(rows, slices, qx, sx, xsum, K, w, slice_bytes, scales, zeros, slice_scales, group_size,
+                          groups, offset, bias, N, col0, out);
+      return;
+    }
+  }
+  if constexpr (T > 1) {
+    if (slices < T) {
+      vnni_rows<R, T - 1>(rows, slices, qx, sx, xsum, K, w, slice_bytes, scales, zeros, slice_scales, group_size,
+                          groups, offset, bias, N, col0, out);
+      return;
+    }
+  }
+  vnni_block<R, T>(qx, sx, xsum, K, w, slice_bytes, scales, zeros, slice_scales, group_size, groups, offset, bias, N,
+                   col0, out);
+}
+
+template <int R, int T>
+void linear_quant_vnni(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, const at::Half* scales,
+                       const at::Half* zeros, int64_t group_size, int offset, const float* bias, int64_t n_slices,
+                       at::BFloat16* out) {
+  const int64_t N = n_slices * 16, groups = K / group_size;
+  const int64_t slice_bytes = K * 8, slice_scales = groups * 16;
+  const QuantizedRows q = quantize_rows(x, M, K, group_size);
+  at::parallel_for(0, n_slices, 4 * T, [&](int64_t begin, int64_t end) {
+    for (int64_t s0 = begin; s0 < end; s0 += T) {
+      const int64_t slices = std::min<int64_t>(T, end - s0);
+      for (int64_t m0 = 0; m0 < M; m0 += R) {
+        vnni_rows<R, T>(std::min<int64_t>(R, M - m0), slices, q.values.data() + m0 * K, q.scales.data() + m0 * groups,
+                        q.sums.data() + m0 * groups, K, w + s0 * slice_bytes, slice_bytes, scales + s0 * slice_scales,
+                        zeros != nullptr ? zeros + s0 * slice_scales : nullptr, slice_scales, group_size, groups, offset,
+                        bias, N, s0 * 16, out + m0 * N);
+      }
+    }
+  });
+}
+#endif
+
+// With int8 activations (4 bits, VNNI): linear_quant_vnni. Otherwise up to kDirectRows rows: weights
+// widened to bf16 in registers; more: dequantized blocks (see kWideSlices).
 template <int Bits>
 void linear_quant_dispatch(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, const at::Half* scales,
                            const at::Half* zeros, int64_t group_size, int offset, const float* xsum, const float* bias,
-                           int64_t n_slices, at::BFloat16* out) {
+                           int64_t n_slices, at::BFloat16* out, bool use_vnni) {
+#if defined(__AVX512VNNI__)
+  if constexpr (Bits == 4) {
+    if (use_vnni) {
+      if (M <= 2) {
+        linear_quant_vnni<2, 4>(x, M, K, w, scales, zeros, group_size, offset, bias, n_slices, out);
+      } else {
+        linear_quant_vnni<kRowGroup, 1>(x, M, K, w, scales, zeros, group_size, offset, bias, n_slices, out);
+      }
+      return;
+    }
+  }
+#endif
   if (M <= 2) {
     linear_quant_rows<Bits, 2, 4>(x, M, K, w, scales, zeros, group_size, offset, xsum, bias, n_slices, out);
-  } else if (M <= 4) {
+    return;
+  }
+  if (M <= 4) {
     linear_quant_rows<Bits, 4, 2>(x, M, K, w, scales, zeros, group_size, offset, xsum, bias, n_slices, out);
   } else if (M <= kDirectRows) {
     linear_quant_rows<Bits, kRowGroup, 1>(x, M, K, w, scales, zeros, group_size, offset, xsum, bias, n_slices, out);
@@ -303,8 +459,11 @@ bool has_quant_linear() {
 #endif
 }
 
+bool has_int8_activation_linear() { return has_quant_linear() && kHasVnni; }
+
 torch::Tensor linear_quant_avx512(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
-                                  int64_t bits, int64_t group_size, int64_t offset, c10::optional<torch::Tensor> bias) {
+                                  int64_t bits, int64_t group_size, int64_t offset, c10::optional<torch::Tensor> bias,
+                                  bool int8_activations) {
   TORCH_CHECK(has_quant_linear(), "linear_quant_avx512: these kernels were built without AVX512-BF16");
   TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be bfloat16 [..., in] on the CPU");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
@@ -336,7 +495,8 @@ torch::Tensor linear_quant_avx512(torch::Tensor x, torch::Tensor qweight, torch:
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   // [M, groups]: each group's activation sum, for the zero-points and the 4-bit values' bias
   std::vector<float> xsum;
-  const bool need_xsum = (has_zeros || bits == 4) && M <= kDirectRows;
+  const bool use_vnni = kHasVnni && int8_activations && bits == 4;
+  const bool need_xsum = (has_zeros || bits == 4) && M <= kDirectRows && !use_vnni;
   if (need_xsum) {
     xsum.assign(M * groups, 0.f);
     const auto* xr = rows.data_ptr<at::BFloat16>();
@@ -355,9 +515,9 @@ torch::Tensor linear_quant_avx512(torch::Tensor x, torch::Tensor qweight, torch:
   auto* out_ptr = out.data_ptr<at::BFloat16>();
   if (bits == 4) {
     linear_quant_dispatch<4>(x_ptr, M, K, w_ptr, s_ptr, z_ptr, group_size, static_cast<int>(offset), xs_ptr, b_ptr, n_slices,
-                         out_ptr);
+                         out_ptr, use_vnni);
   } else {
-    linear_quant_dispatch<8>(x_ptr, M, K, w_ptr, s_ptr, z_ptr, group_size, 0, xs_ptr, b_ptr, n_slices, out_ptr);
+    linear_quant_dispatch<8>(x_ptr, M, K, w_ptr, s_ptr, z_ptr, group_size, 0, xs_ptr, b_ptr, n_slices, out_ptr, false);
   }
 #endif
   return out;
