@@ -1,5 +1,7 @@
 """Shared fixtures: the default model's tokenizer, and one real `pagedserve serve` per test session;
-and the ``model`` / ``kernels`` markers, set from what each test uses (``make test-fast`` leaves them out)."""
+the ``model`` / ``kernels`` markers, set from what each test uses (``make test-fast`` leaves them out);
+and the C++ kernels built once before a session that starts servers or uses them, so that no server's
+start-up waits on (or races) that build."""
 
 from __future__ import annotations
 
@@ -68,6 +70,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for marker, names in HEAVY_NAMES.items():
             if used & names:
                 item.add_marker(marker)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if any(item.get_closest_marker(name) for item in session.items for name in ("kernels", "model", "slow")):
+        from pagedserve.kernels import load_cpu_kernels
+
+        load_cpu_kernels()  # cached per CPU and sources: later loads (in servers, engine cores) only import it
 
 
 @pytest.fixture(scope="session")
