@@ -150,7 +150,8 @@ class Linear(nn.Module):
             return
         shard_ids = list(self.shard_offsets) if self.shard_offsets else [None]
         if all(shard_id in self.staged_quant for shard_id in shard_ids):
-            self.quant = GroupQuantized.cat_rows([self.staged_quant[shard_id] for shard_id in shard_ids])
+            joined = GroupQuantized.cat_rows([self.staged_quant[shard_id] for shard_id in shard_ids])
+            self.quant = joined.to(self.weight.device)  # NOTE: the loader decodes on the CPU
         else:
             for shard_id, part in self.staged_quant.items():
                 target = self.weight.data
@@ -198,7 +199,7 @@ class Embedding(nn.Module):
 
     def install_staged_quant(self) -> None:
         if self.staged_quant is not None:
-            self.quant, self.staged_quant = self.staged_quant, None
+            self.quant, self.staged_quant = self.staged_quant.to(self.weight.device), None
 
 
 class RMSNorm(nn.Module):
