@@ -201,7 +201,9 @@ def main() -> None:
             f"60% of it: {0.6 * value:.0f} tokens/s{mark}"
         )
     measured = dict(item.split("=", 1) for item in args.tpot)
-    print(f"\nconcurrency-1 decode per --quantization scheme (weights + KV of {args.context_len} tokens, at {best_bw:.1f} GB/s)")
+    print(
+        f"\nconcurrency-1 decode per --quantization scheme (weights + KV of {args.context_len} tokens, at {best_bw:.1f} GB/s)"
+    )
     schemes = {}
     for scheme in SCHEME_BYTES_PER_WEIGHT:
         step_bytes = weight_bytes_per_token(shape, scheme) + args.context_len * kv_per_token * 2
