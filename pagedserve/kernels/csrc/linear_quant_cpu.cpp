@@ -30,19 +30,31 @@
 
 namespace {
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-constexpr int kRowGroup = 8;  // rows whose sums share each weight vector
-constexpr int kDirectRows = 16;
 #if defined(__AVX512VNNI__)
-constexpr bool kHasVnni = true;
+constexpr bool kHasVnni = true;  // 4-bit weights can multiply int8 activations (linear_quant_vnni)
 #else
 constexpr bool kHasVnni = false;
-#endif  // up to this many rows, weights are widened in registers (see linear_quant_dispatch)
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr int kRowGroup = 8;  // rows whose sums share each weight vector
+constexpr int kDirectRows = 16;  // up to this many rows, weights are widened in registers (see linear_quant_dispatch)
+
+// 16 float16 values (a slice's scales or zero-points of one group) as float32.
+inline __m512 load_half16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The term each group adds per unit of activation sum: zero - scale * subtracted (zeros may be none).
+inline __m512 group_zero_term(__m512 s, const at::Half* zeros, int64_t at, __m512 subtracted) {
+  const __m512 z = zeros != nullptr ? load_half16(zeros + at) : _mm512_setzero_ps();
+  return _mm512_fnmadd_ps(s, subtracted, z);
+}
 
 typedef int32_t __attribute__((may_alias)) bf16_pair;
 
 // 32 int8 values (one pair row of a slice) as the bf16 operand of vdpbf16ps; exact (|q| <= 128).
-inline __m512bh pagedserve_int8x32_to_bf16(const uint8_t* chunk) {
+inline __m512bh int8x32_to_bf16(const uint8_t* chunk) {
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk))));
   const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16))));
   return _mm512_cvtne2ps_pbh(hi, lo);
@@ -109,8 +121,8 @@ inline void block_rows_slices(const at::BFloat16* x, int64_t K, const uint8_t* w
         for (int t = 0; t < T; ++t) {
           const uint8_t* chunk = w + t * slice_bytes + p * 32;  // 32 bytes per pair
           // prefetch removed
-          w0[t] = pagedserve_int8x32_to_bf16(chunk);
-          w1[t] = two ? pagedserve_int8x32_to_bf16(chunk + 32) : (__m512bh)_mm512_setzero_si512();
+          w0[t] = int8x32_to_bf16(chunk);
+          w1[t] = two ? int8x32_to_bf16(chunk + 32) : (__m512bh)_mm512_setzero_si512();
         }
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
@@ -127,10 +139,8 @@ inline void block_rows_slices(const at::BFloat16* x, int64_t K, const uint8_t* w
 #pragma GCC unroll 4
     for (int t = 0; t < T; ++t) {
       const int64_t at = t * slice_scales + g * 16;
-      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
-      __m512 z = zeros != nullptr ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(zeros + at)))
-                                  : _mm512_setzero_ps();
-      z = _mm512_fnmadd_ps(s, bias_per_value, z);  // W = s * read - s * (128 + offset) + zero
+      const __m512 s = load_half16(scales + at);
+      const __m512 z = group_zero_term(s, zeros, at, bias_per_value);  // W = s * read - s * (128 + offset) + zero
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         acc[r][t] = _mm512_fmadd_ps(_mm512_add_ps(part0[r][t], part1[r][t]), s, acc[r][t]);
@@ -229,10 +239,8 @@ void dequantize_slice(const uint8_t* w, const at::Half* scales, const at::Half* 
   const __m512i low_nibble = _mm512_set1_epi16(0x0F);
   const int64_t groups = K / group_size, group_pairs = group_size / 2;
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 16)));
-    __m512 z = zeros != nullptr ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(zeros + g * 16)))
-                                : _mm512_setzero_ps();
-    z = _mm512_fnmadd_ps(s, _mm512_set1_ps(static_cast<float>(offset)), z);  // stored = q + offset
+    const __m512 s = load_half16(scales + g * 16);
+    const __m512 z = group_zero_term(s, zeros, g * 16, _mm512_set1_ps(static_cast<float>(offset)));  // stored = q + offset
     const __m512 s_lo = _mm512_permutexvar_ps(pair_lo, s), s_hi = _mm512_permutexvar_ps(pair_hi, s);
     const __m512 z_lo = _mm512_permutexvar_ps(pair_lo, z), z_hi = _mm512_permutexvar_ps(pair_hi, z);
     for (int64_t p = g * group_pairs; p < (g + 1) * group_pairs; p += (Bits == 4 ? 2 : 1)) {
@@ -353,10 +361,8 @@ inline void vnni_block(const int8_t* qx, const float* sx, const float* xsum, int
 #pragma GCC unroll 4
     for (int t = 0; t < T; ++t) {
       const int64_t at = t * slice_scales + g * 16;
-      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
-      __m512 z = zeros != nullptr ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(zeros + at)))
-                                  : _mm512_setzero_ps();
-      z = _mm512_fnmadd_ps(s, _mm512_set1_ps(static_cast<float>(offset)), z);  // stored = q + offset
+      const __m512 s = load_half16(scales + at);
+      const __m512 z = group_zero_term(s, zeros, at, _mm512_set1_ps(static_cast<float>(offset)));  // stored = q + offset
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(sx[r * groups + g]));
