@@ -26,6 +26,7 @@ class EngineCoreRequest:
     # empty: the model's own (ModelInfo.eos_token_ids); the front end fills in its tokenizer's EOS
     # when the model has none (pagedserve.tokenizer.eos_token_ids)
     eos_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None  # prefix-cache isolation: hits only among requests with the same salt
 
 
 @dataclass(slots=True)

@@ -23,6 +23,12 @@ class KVBlock:
     next: KVBlock | None = None
 
 
+def salt_hash(cache_salt: str | None) -> int | None:
+    """The parent of a request's first block hash: None without a salt, else a value only requests with
+    the same salt share, so that no block is ever a prefix hit across salts."""
+    return None if cache_salt is None else hash(("cache_salt", cache_salt))
+
+
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     """Chain hash of a full block: depends on every token before it through ``parent_hash``."""
     return hash((parent_hash, tuple(token_ids)))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedserve.core.block_pool import BlockPool, KVBlock, hash_block
+from pagedserve.core.block_pool import BlockPool, KVBlock, hash_block, salt_hash
 from pagedserve.core.request import Request
 
 
@@ -142,4 +142,5 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+            parent = hashes[-1] if hashes else salt_hash(request.cache_salt)
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))

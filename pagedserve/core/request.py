@@ -34,6 +34,7 @@ class Request:
     arrival_time: float
     eos_token_ids: tuple[int, ...]
     priority: int = 0
+    cache_salt: str | None = None  # prefix-cache hits only among requests with the same salt
     num_samples_to_fork: int = 1  # > 1 only for sample 0 of an n > 1 request before its fork
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -92,6 +93,7 @@ class Request:
             arrival_time=self.arrival_time,
             eos_token_ids=self.eos_token_ids,
             priority=self.priority,
+            cache_salt=self.cache_salt,
             all_token_ids=list(self.prompt_token_ids),
             num_computed_tokens=self.num_computed_tokens,
             num_cached_tokens=self.num_cached_tokens,

@@ -117,6 +117,7 @@ class AsyncLLM:
         request_id: str,
         prompt: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield delta RequestOutputs until the request finishes; abort it if the caller goes away.
 
@@ -130,7 +131,9 @@ class AsyncLLM:
         collector = RequestOutputCollector()
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, arrival_time, cumulative=False)
         self._collectors[request_id] = collector
-        request = EngineCoreRequest(request_id, prompt_token_ids, params, arrival_time, priority, self._eos_token_ids)
+        request = EngineCoreRequest(
+            request_id, prompt_token_ids, params, arrival_time, priority, self._eos_token_ids, cache_salt
+        )
         finished = False
         try:
             await self.core.add_request(request)

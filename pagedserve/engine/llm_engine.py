@@ -131,6 +131,7 @@ class LLMEngine:
                 arrival_time=request.arrival_time,
                 eos_token_ids=tuple(request.eos_token_ids) or self.eos_token_ids,
                 priority=request.priority,
+                cache_salt=request.cache_salt,
                 num_samples_to_fork=params.n,
             )
         )

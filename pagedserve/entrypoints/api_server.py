@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, FastAPI, Request
 from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.gzip import GZipMiddleware
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from pagedserve import __version__
@@ -28,11 +28,13 @@ from pagedserve.entrypoints.middleware import (
     ServerStateMiddleware,
     TimingMiddleware,
     TrustedHostMiddleware,
+    is_guarded_path,
 )
 from pagedserve.entrypoints.model_registry import ModelRegistry
 from pagedserve.entrypoints.model_serving import READY
 from pagedserve.entrypoints.openai.routes import router as openai_router
 from pagedserve.entrypoints.serving.errors import install_error_handlers, json_response
+from pagedserve.entrypoints.serving.openapi import error_responses, install_openapi
 from pagedserve.entrypoints.tgi.routes import router as tgi_router
 from pagedserve.entrypoints.web.api_docs import add_api_docs
 from pagedserve.entrypoints.web.routes import STATIC_DIR, UI_PREFIX
@@ -42,10 +44,11 @@ from pagedserve.metrics import CONTENT_TYPE
 logger = logging.getLogger("pagedserve.server")
 
 router = APIRouter()
+_HEALTH = {200: {"description": "Ready: every model serves"}, **error_responses((503,), tgi=True)}
 
 
-@router.get("/health")
-@router.get("/ping")
+@router.get("/health", response_class=Response, responses=_HEALTH)
+@router.get("/ping", response_class=Response, responses=_HEALTH)
 async def health(raw_request: Request) -> Response:
     """200 only when every model is ready and its current engine alive, and the server is not draining."""
     context = get_context(raw_request)
@@ -72,7 +75,7 @@ async def show_load(raw_request: Request) -> Response:
     return json_response({"server_load": get_context(raw_request).num_unfinished_requests})
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses=error_responses((401,)))
 async def metrics(raw_request: Request) -> Response:
     return Response(get_context(raw_request).metrics.render(), media_type=CONTENT_TYPE)
 
@@ -96,6 +99,14 @@ def build_app(context: ServerContext) -> FastAPI:
     app.include_router(admin_router)
     app.include_router(router)
     install_error_handlers(app)
+    options = context.config.http
+    install_openapi(
+        app,
+        guarded=is_guarded_path,
+        api_keys=bool(options.api_keys),
+        admin_key=context.config.admin_key is not None,
+        metrics_key=options.protect_metrics,
+    )
     app.state.context = context
     _add_middleware(app, context)
     return app
@@ -110,7 +121,8 @@ def _add_middleware(app: FastAPI, context: ServerContext) -> None:
         limit, period = options.rate_limit
         app.add_middleware(RateLimitMiddleware, limit=limit, period_s=period, on_reject=context.metrics.record_rejected)
     if options.api_keys:
-        app.add_middleware(APIKeyMiddleware, api_keys=list(options.api_keys))
+        also_guarded = frozenset({"/metrics"}) if options.protect_metrics else frozenset()
+        app.add_middleware(APIKeyMiddleware, api_keys=list(options.api_keys), also_guarded=also_guarded)
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
     app.add_middleware(ServerStateMiddleware, state=context.state)
     app.add_middleware(TimingMiddleware)

@@ -160,6 +160,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help=f"require this API key (repeatable; also ${API_KEY_ENV}, comma-separated)",
     )
     server.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="require an API key on /metrics too (by default it is open, like /health)",
+    )
+    server.add_argument(
         "--admin-key",
         default=None,
         help=f"enable the admin API (/admin/models) behind this key (also ${ADMIN_KEY_ENV})",
@@ -268,6 +273,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     admin_key = args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    if args.protect_metrics and not api_keys_from_args(args):
+        raise ValueError(f"--protect-metrics needs API keys (--api-key or ${API_KEY_ENV})")
     return ServerConfig(
         models=models,
         host=args.host,
@@ -370,6 +377,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig | None:
 def http_options_from_args(args: argparse.Namespace) -> HTTPOptions:
     return HTTPOptions(
         api_keys=tuple(api_keys_from_args(args)),
+        protect_metrics=args.protect_metrics,
         allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers),

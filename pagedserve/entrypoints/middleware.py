@@ -187,11 +187,13 @@ class BodyLimitMiddleware:
 
 
 class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` matches one of the keys (compared in constant time)."""
+    """401 unless ``Authorization: Bearer <key>`` matches one of the keys (compared in constant time), on
+    the guarded routes and ``also_guarded`` (e.g. /metrics)."""
 
-    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+    def __init__(self, app: ASGIApp, api_keys: list[str], also_guarded: frozenset[str] = frozenset()) -> None:
         self.app = app
         self._digests = [hashlib.sha256(key.encode()).digest() for key in api_keys]
+        self._also_guarded = also_guarded
 
     def _authorized(self, header: bytes | None) -> bool:
         if header is None:
@@ -209,7 +211,7 @@ class APIKeyMiddleware:
         if (
             scope["type"] != "http"
             or scope["method"] == "OPTIONS"
-            or not is_guarded_path(scope["path"], scope["method"])
+            or not (is_guarded_path(scope["path"], scope["method"]) or scope["path"] in self._also_guarded)
         ):
             await self.app(scope, receive, send)
             return

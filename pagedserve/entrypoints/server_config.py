@@ -14,6 +14,7 @@ class HTTPOptions:
     """The HTTP server's limits and options."""
 
     api_keys: tuple[str, ...] = ()
+    protect_metrics: bool = False  # /metrics behind the API keys too
     allowed_origins: tuple[str, ...] = ("*",)  # CORS; empty: no CORS middleware
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)

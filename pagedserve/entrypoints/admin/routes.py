@@ -13,9 +13,10 @@ from pagedserve.entrypoints.admin.service import AdminService, model_entry
 from pagedserve.entrypoints.context import get_context
 from pagedserve.entrypoints.model_serving import DRAINING, LOADING
 from pagedserve.entrypoints.serving.errors import json_response
+from pagedserve.entrypoints.serving.openapi import ADMIN_ERRORS, error_responses
 from pagedserve.entrypoints.serving.routing import JSON_BODY
 
-router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], responses=error_responses(ADMIN_ERRORS))
 
 
 def _service(raw_request: Request) -> AdminService:

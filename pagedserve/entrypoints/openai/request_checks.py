@@ -7,13 +7,12 @@ import logging
 from dataclasses import dataclass
 
 from pagedserve.engine.async_llm import AsyncLLM
-from pagedserve.entrypoints.openai.protocol import SamplingFields
+from pagedserve.entrypoints.openai.protocol import MAX_STOP_SEQUENCES, SamplingFields
 from pagedserve.entrypoints.serving.admission import check_engine_alive
 from pagedserve.entrypoints.serving.errors import APIError, bad_request
+from pagedserve.entrypoints.serving.request_limits import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRING_CHARS
 
 logger = logging.getLogger(__name__)
-
-MAX_STOP_SEQUENCES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,3 +60,8 @@ def reject_unsupported(request: SamplingFields) -> None:
     stops = request.stop
     if isinstance(stops, list) and len(stops) > MAX_STOP_SEQUENCES:
         raise bad_request(f"At most {MAX_STOP_SEQUENCES} stop sequences are supported.", "stop")
+    for stop in [stops] if isinstance(stops, str) else stops or ():
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise bad_request(f"Each stop sequence may have at most {MAX_STOP_STRING_CHARS} characters.", "stop")
+    if request.logit_bias is not None and len(request.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries.", "logit_bias")

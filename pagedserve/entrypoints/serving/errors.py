@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.routing import Match
 
 from pagedserve.entrypoints.input_checks import InputError
 
@@ -154,6 +155,18 @@ def format_validation_error(exc: RequestValidationError) -> tuple[str, str | Non
     return "; ".join(parts) or "Invalid request", param
 
 
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route of the app answers at this path (Starlette's 405 names only the first
+    route's)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        route_methods = getattr(route, "methods", None)
+        if match != Match.NONE and route_methods:
+            methods.update(route_methods)
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """400 (OpenAI) / 422 (TGI) for validation, OpenAI-shaped HTTP errors, 500 for anything else."""
 
@@ -175,7 +188,10 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 400 and message == "There was an error parsing the body":
             message = "The request body is not valid JSON (or not valid UTF-8)."
-        return error_response(APIError(message, exc.status_code, headers=dict(exc.headers or {})), request.url.path)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(allowed_methods(request))
+        return error_response(APIError(message, exc.status_code, headers=headers), request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> Response:

@@ -54,6 +54,8 @@ class SSEResponse(StreamingResponse):
     """``text/event-stream`` response whose generator is closed (aborting its requests) and whose
     ``on_close`` runs however the response ends: completed, client gone, or never started."""
 
+    media_type = "text/event-stream"  # also what /openapi.json declares for a route with this response_class
+
     def __init__(
         self,
         content: AsyncGenerator[str, None],

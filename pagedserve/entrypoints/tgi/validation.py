@@ -8,14 +8,18 @@ from dataclasses import dataclass
 
 from pagedserve.entrypoints.input_checks import ModelLimits
 from pagedserve.entrypoints.serving.errors import APIError
+from pagedserve.entrypoints.serving.request_limits import MAX_STOP_STRING_CHARS
 from pagedserve.entrypoints.serving.structured_outputs import StructuredOutputs
 from pagedserve.entrypoints.serving.tokenization import PromptTokenizer
-from pagedserve.entrypoints.tgi.protocol import GenerateParameters, GenerateRequest
+from pagedserve.entrypoints.tgi.protocol import (
+    MAX_BEST_OF,
+    MAX_STOP_SEQUENCES,
+    MAX_TOP_N_TOKENS,
+    GenerateParameters,
+    GenerateRequest,
+)
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-MAX_BEST_OF = 2
-MAX_STOP_SEQUENCES = 4
-MAX_TOP_N_TOKENS = 5
 MAX_CLIENT_BATCH_SIZE = 4
 
 
@@ -152,6 +156,10 @@ def check_parameters(p: GenerateParameters, stream: bool) -> int:
             f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(p.stop)}",
         ),
         (any(not s for s in p.stop), "`stop` sequences cannot be empty"),
+        (
+            any(len(s) > MAX_STOP_STRING_CHARS for s in p.stop),
+            f"`stop` sequences may have at most {MAX_STOP_STRING_CHARS} characters",
+        ),
         (
             p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= MAX_TOP_N_TOKENS,
             f"`top_n_tokens` must be >= 0 and <= {MAX_TOP_N_TOKENS}",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import APIRouter, Query, Request
-from starlette.responses import FileResponse, Response
+from starlette.responses import FileResponse, HTMLResponse, Response
 
 from pagedserve import __version__
 from pagedserve.entrypoints.context import get_context
@@ -17,22 +17,22 @@ STATIC_DIR = Path(__file__).parent / "static"
 UI_PREFIX = "/ui"
 _NO_STORE = {"Cache-Control": "no-store"}
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter()
 
 
-@router.get("/")
+@router.get("/", response_class=HTMLResponse)  # in /openapi.json: it shares "/" with TGI's POST
 async def playground() -> Response:
     """The playground: chat with a served model over the OpenAI chat route."""
     return FileResponse(STATIC_DIR / "playground.html", media_type="text/html")
 
 
-@router.get("/dashboard")
+@router.get("/dashboard", include_in_schema=False)
 async def dashboard() -> Response:
     """The live dashboard: queues, the block pool, throughput and latency, refreshed every second."""
     return FileResponse(STATIC_DIR / "dashboard.html", media_type="text/html")
 
 
-@router.get("/dashboard/stats")
+@router.get("/dashboard/stats", include_in_schema=False)
 async def dashboard_stats(
     raw_request: Request, since: float | None = Query(default=None, description="`now` of an earlier report")
 ) -> Response:
@@ -40,7 +40,7 @@ async def dashboard_stats(
     return json_response(get_context(raw_request).live_stats.report(since), headers=_NO_STORE)
 
 
-@router.get(UI_PREFIX + "/config")
+@router.get(UI_PREFIX + "/config", include_in_schema=False)
 async def ui_config(raw_request: Request) -> Response:
     """What the pages need to know about the server before their first API call."""
     context = get_context(raw_request)
