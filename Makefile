@@ -7,7 +7,7 @@ RUFF_STAMP := $(VENV)/.ruff-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test test-fast lint bench clean
+.PHONY: install serve test test-fast lint bench fuzz soak clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,12 @@ test: install
 # tests/conftest.py marks `model` (the default model's tokenizer) or `kernels` (the compiled C++ kernels).
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not model and not kernels"
+
+# API fuzzing for FUZZ_SECONDS (default 900) against a real server: every schemathesis phase (the test
+# suite runs a short one); prints the commands, the summary lines and the server's state afterwards
+FUZZ_SECONDS ?= 900
+fuzz: install
+	$(PY) -m tests.reliability.fuzzing --max-time $(FUZZ_SECONDS)
 
 # Lint and formatting check (configuration in pyproject.toml's [tool.ruff]); fix with
 # `ruff check --fix .` and `ruff format .`

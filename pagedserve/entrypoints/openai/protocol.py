@@ -184,7 +184,7 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False
     chat_template: str | None = _REFUSED_TEMPLATE
     chat_template_kwargs: dict[str, Any] | None = None
-    documents: list[Any] | None = documented(None, items=_DOCUMENT)
+    documents: list[dict[str, str]] | None = documented(None, items=_DOCUMENT)
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
