@@ -210,6 +210,11 @@ class Metrics:
         self._rejected = counter(
             "request_rejected", "Requests refused before reaching the engine, by reason.", ["reason"]
         )
+        self._slow_clients = counter(
+            "slow_client_aborts",
+            "Streams aborted because their client read nothing for --stream-stall-timeout seconds.",
+            [],
+        )
         self._structured = counter(
             "structured_output_requests",
             "Requests with an output constraint, by kind (json, regex, choice, grammar; tool calls: tools).",
@@ -264,6 +269,10 @@ class Metrics:
     def record_rejected(self, reason: str, model_name: str | None = None) -> None:
         """A refused request (429), of ``model_name`` or, for the server-wide rate limit, the default model."""
         self._rejected.labels(model_name or self.default_model, reason).inc()
+
+    def record_slow_client(self) -> None:
+        """A stream aborted because its client stopped reading (counted under the default model)."""
+        self._slow_clients.labels(self.default_model).inc()
 
     def record_structured(self, kind: str, model_name: str) -> None:
         """A request admitted with an output constraint of ``kind``."""

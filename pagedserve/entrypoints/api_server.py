@@ -26,6 +26,7 @@ from pagedserve.entrypoints.middleware import (
     BodyLimitMiddleware,
     RateLimitMiddleware,
     ServerStateMiddleware,
+    StreamStallMiddleware,
     TimingMiddleware,
     TrustedHostMiddleware,
     is_guarded_path,
@@ -124,6 +125,12 @@ def _add_middleware(app: FastAPI, context: ServerContext) -> None:
         also_guarded = frozenset({"/metrics"}) if options.protect_metrics else frozenset()
         app.add_middleware(APIKeyMiddleware, api_keys=list(options.api_keys), also_guarded=also_guarded)
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
+    if options.stream_stall_timeout is not None:
+        app.add_middleware(
+            StreamStallMiddleware,
+            stall_timeout_s=options.stream_stall_timeout,
+            on_abort=context.metrics.record_slow_client,
+        )
     app.add_middleware(ServerStateMiddleware, state=context.state)
     app.add_middleware(TimingMiddleware)
     if options.gzip_min_bytes > 0:  # NOTE: Starlette's GZip passes text/event-stream through unbuffered

@@ -237,6 +237,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "is true (0: as many as the request has tools); small models otherwise repeat calls until max_tokens",
     )
     server.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a stream may wait on a client that reads nothing before it is aborted (0: wait forever)",
+    )
+    server.add_argument(
         "--shutdown-timeout",
         type=_positive_float,
         default=30.0,
@@ -391,6 +397,7 @@ def http_options_from_args(args: argparse.Namespace) -> HTTPOptions:
         max_header_bytes=args.max_header_bytes,
         max_queued_requests=None if args.max_queued_requests < 0 else args.max_queued_requests,
         request_timeout=args.request_timeout or None,
+        stream_stall_timeout=args.stream_stall_timeout if args.stream_stall_timeout > 0 else None,
         structured_max_string_length=max(0, args.structured_outputs_max_string_length),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,

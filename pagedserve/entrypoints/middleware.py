@@ -5,6 +5,7 @@ server state (ready / draining / in-flight count), timing headers, body size lim
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import secrets
@@ -91,6 +92,49 @@ class ServerStateMiddleware:
             await self.app(scope, receive, send)
         finally:
             state.in_flight -= 1
+
+
+class StreamStallMiddleware:
+    """Aborts an event stream whose client stops reading: a write that cannot complete within
+    ``stall_timeout_s`` (the socket's and the transport's buffers are full) ends the response, which
+    aborts its requests, and is counted. What waits meanwhile is bounded: the transport's buffer, and
+    the request's output, which merges into one pending delta while the write is blocked."""
+
+    def __init__(self, app: ASGIApp, stall_timeout_s: float, on_abort: Callable[[], None] | None = None) -> None:
+        self.app = app
+        self.stall_timeout_s = stall_timeout_s
+        self.on_abort = on_abort
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        streaming = False
+
+        async def send_watched(message: Message) -> None:
+            nonlocal streaming
+            if message["type"] == "http.response.start":
+                streaming = any(
+                    name == b"content-type" and value.startswith(b"text/event-stream")
+                    for name, value in message.get("headers", ())
+                )
+            if not streaming or message["type"] != "http.response.body":
+                await send(message)
+                return
+            try:
+                await asyncio.wait_for(send(message), self.stall_timeout_s)
+            except TimeoutError:
+                raise StreamStalled() from None
+
+        try:
+            await self.app(scope, receive, send_watched)
+        except* StreamStalled:  # a group where the response streams from a task group
+            if self.on_abort is not None:
+                self.on_abort()
+
+
+class StreamStalled(Exception):
+    """Raised through the response when its client has not read for the stall timeout."""
 
 
 class TimingMiddleware:

@@ -29,6 +29,7 @@ class HTTPOptions:
     max_queued_requests: int | None = 1024  # beyond the running ones; None: unbounded
     retry_after_s: int = 1
     request_timeout: float | None = 600.0  # seconds; None: no limit
+    stream_stall_timeout: float | None = 60.0  # seconds a stream's write may block on its client; None: no limit
     structured_max_string_length: int = 256  # maxLength given to strings a JSON schema leaves unbounded; 0: none
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parses calls from the text with tool_call_parser
     tool_call_parser: str | None = None  # hermes | llama3_json
