@@ -51,7 +51,13 @@ class LLMEngine:
         )
         num_blocks = cache.num_blocks_override or max(2, cache.kv_cache_memory // block_bytes)
         capacity = (num_blocks - 1) * block_size
-        self.max_model_len = min(loaded.max_model_len, capacity)
+        if config.model.max_model_len is not None and capacity < config.model.max_model_len:
+            raise ValueError(
+                f"The KV cache holds {capacity} tokens ({num_blocks - 1} blocks of {block_size}), fewer than one "
+                f"request of max_model_len={config.model.max_model_len} needs: give it more memory "
+                f"(--kv-cache-memory, now {cache.kv_cache_memory} bytes) or lower --max-model-len."
+            )
+        self.max_model_len = min(loaded.max_model_len, capacity)  # the model's own length: lowered to fit
         if self.max_model_len < loaded.max_model_len:
             logger.warning(
                 "max_model_len lowered from %d to %d tokens: that is all the KV cache holds",

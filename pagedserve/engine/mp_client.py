@@ -65,7 +65,10 @@ def run_engine_core(
     config: EngineConfig, conn: Connection, close_fds: tuple[int, ...] = (), engine: EngineSpec = "paged"
 ) -> None:
     """Body of the core process: build the engine, report ready (or why not), then run the loop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which shuts the core down
+    # Ctrl-C, and a SIGTERM sent to the whole process group (systemd's default, `timeout`, `kill -- -PGID`),
+    # reach the server too, which drains and then shuts the core down; the pipe's EOF ends it if the server dies
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for fd in close_fds:  # e.g. the server's listening socket, inherited through fork
         try:
             os.close(fd)
