@@ -233,6 +233,30 @@ CASES = [
     Case("TGI empty inputs", "/generate", {"inputs": ""}, status=422, message="`inputs` cannot be empty"),
     Case("TGI missing inputs", "/generate", {"parameters": {}}, status=422, message="inputs"),
     Case("TGI wrong key", "/generate", {"inputs": "x"}, status=401, message="API key", auth="bad"),
+    Case("stop string too long", "/v1/completions", completion(stop=["x" * 1025]), message="at most 1024 characters"),
+    Case(
+        "TGI stop string too long",
+        "/generate",
+        {"inputs": "x", "parameters": {"stop": ["y" * 1025]}},
+        status=422,
+        message="at most 1024 characters",
+    ),
+    Case(
+        "logit_bias too large",
+        "/v1/completions",
+        completion(logit_bias={str(i): 1 for i in range(1025)}),
+        message="at most 1024 entries",
+    ),
+    Case("too many messages", "/v1/chat/completions", chat(messages=MSGS * 4097), message="at most 4096"),
+    Case(
+        "JSON nested too deeply",
+        "/v1/chat/completions",
+        raw=b'{"messages": [{"role": "user", "content": "hi"}], "tools": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        message="not valid JSON",
+    ),
+    Case("boolean as a token id", "/v1/completions", completion(prompt=[True, False]), message="prompt"),
+    Case("number as a string", "/v1/completions", completion(max_tokens="4"), message="max_tokens"),
+    Case("empty cache_salt", "/v1/completions", completion(cache_salt=""), message="cache_salt"),
 ]
 
 

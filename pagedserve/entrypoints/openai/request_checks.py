@@ -46,7 +46,7 @@ def check_generation_request(request: SamplingFields, models: ServedModels, engi
 
 def reject_unsupported(request: SamplingFields) -> None:
     if request.model_extra:
-        logger.info("The following fields were present in the request but ignored: %s", sorted(request.model_extra))
+        logger.debug("The following fields were present in the request but ignored: %s", sorted(request.model_extra))
     if request.best_of is not None and request.best_of != 1:
         raise bad_request("best_of is not supported; use n (and logprobs) instead.", "best_of")
     if request.use_beam_search:
