@@ -44,6 +44,12 @@ FUZZ_SECONDS ?= 900
 fuzz: install
 	$(PY) -m tests.reliability.fuzzing --max-time $(FUZZ_SECONDS)
 
+# The soak: SOAK_SECONDS (default 1800) at concurrency 64 against a fresh server; writes soak-out/
+# (soak.json, soak.png) and prints the per-minute table and the verdict (docs/reliability.md)
+SOAK_SECONDS ?= 1800
+soak: install
+	scripts/soak.sh $(SOAK_SECONDS) soak-out
+
 # Lint and formatting check (configuration in pyproject.toml's [tool.ruff]); fix with
 # `ruff check --fix .` and `ruff format .`
 lint: $(RUFF_STAMP)

@@ -52,10 +52,7 @@ def _non_null(*fields: str) -> Any:
 _REFUSED_TEMPLATE: Any = documented(
     None, type="null", description="Refused: the server never runs a template sent with a request."
 )
-_DOCUMENT = {
-    "type": "object",
-    "properties": {"title": {"type": "string"}, "text": {"type": "string"}},
-}
+_DOCUMENT = {"type": "object", "properties": {"title": {"type": "string"}, "text": {"type": "string"}}}
 
 
 class OpenAIBaseModel(BaseModel):
