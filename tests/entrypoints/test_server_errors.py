@@ -257,6 +257,7 @@ CASES = [
     Case("boolean as a token id", "/v1/completions", completion(prompt=[True, False]), message="prompt"),
     Case("number as a string", "/v1/completions", completion(max_tokens="4"), message="max_tokens"),
     Case("empty cache_salt", "/v1/completions", completion(cache_salt=""), message="cache_salt"),
+    Case("n too large", "/v1/completions", completion(n=129), message="n must be at most 128"),
 ]
 
 

@@ -225,6 +225,9 @@ def test_overload_each_request_completes_fully_or_gets_429():
         assert outcomes.count("completed") + outcomes.count("refused") == 200
         values = wait_idle(server)
         assert values[f"pagedserve:kv_cache_usage_perc{ENGINE}"] == 0.0
+        # a refused request never started: the engine finished exactly the completed ones
+        finished = [v for k, v in values.items() if k.startswith("pagedserve:request_success_total{")]
+        assert sum(finished) == outcomes.count("completed")
 
 
 def test_sigterm_to_the_process_group_drains_streams_then_exits_zero():
