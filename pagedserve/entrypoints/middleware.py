@@ -122,7 +122,8 @@ class StreamStallMiddleware:
                 await send(message)
                 return
             try:
-                await asyncio.wait_for(send(message), self.stall_timeout_s)
+                async with asyncio.timeout(self.stall_timeout_s):  # a timer handle, no task per event
+                    await send(message)
             except TimeoutError:
                 raise StreamStalled() from None
 
