@@ -106,7 +106,7 @@ def test_engine_core_killed_mid_stream_ends_every_stream_with_an_error():
 @pytest.fixture(scope="module")
 def faulty_clients():
     """One server for the clients that vanish or stall; a short stall timeout."""
-    with RemoteServer([*QUIET, "--stream-stall-timeout", "10"]) as server:
+    with RemoteServer([*QUIET, "--stream-stall-timeout", "4"]) as server:
         yield server
 
 
@@ -147,7 +147,7 @@ def test_a_client_that_stops_reading_stalls_no_one_and_is_aborted(faulty_clients
     slow = slow_reader_socket(server.host, server.port)
     try:
         slow.sendall(request_bytes(server.host, server.port, "/v1/chat/completions", body))
-        time.sleep(3)  # the slow stream's buffers fill; it reads nothing from here on
+        time.sleep(2)  # the slow stream's buffers fill; it reads nothing from here on
 
         async def normal(client: httpx.AsyncClient, i: int) -> tuple[int, str | None]:
             body = {"model": MODEL, "prompt": f"Count {i}:", "max_tokens": 48, "min_tokens": 48, "ignore_eos": True}
@@ -230,48 +230,71 @@ def test_overload_each_request_completes_fully_or_gets_429():
         assert sum(finished) == outcomes.count("completed")
 
 
-def test_sigterm_to_the_process_group_drains_streams_then_exits_zero():
+@pytest.fixture(scope="module")
+def small_cache():
+    """A KV cache of 960 tokens (15 blocks of 64) under a 256-token context; the SIGTERM test ends it."""
+    args = [*QUIET, "--max-model-len", "256", "--kv-cache-memory", "24MiB", "--block-size", "64"]
+    with RemoteServer([*args, "--shutdown-timeout", "60"]) as server:
+        yield server
+
+
+def test_n_samples_beyond_the_cache_complete_through_preemption(small_cache):
+    """8 samples of 200 tokens need some 1,700 tokens of KV at once and the cache holds 960: samples are
+    preempted and recomputed in turn, and all complete (no 400, no preemption loop)."""
+    server = small_cache
+    body = {"model": MODEL, "prompt": "List animals:", "n": 8, "max_tokens": 200, "min_tokens": 200}
+    body |= {"ignore_eos": True, "temperature": 0.8, "seed": 1}
+    response = server.post("/v1/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["usage"]["completion_tokens"] == 8 * 200
+    assert {choice["finish_reason"] for choice in answer["choices"]} == {"length"}
+    assert metrics(server)[f"pagedserve:num_preemptions_total{ENGINE}"] > 0
+
+
+def test_sigterm_to_the_process_group_drains_streams_then_exits_zero(small_cache):
     """SIGTERM to the whole group (systemd's default, `timeout`): the engine core ignores it, the server
-    refuses new work with 503 and lets its 8 in-flight streams finish, then exits 0."""
-    with RemoteServer([*QUIET, "--shutdown-timeout", "60"]) as server:
-        started: set[int] = set()
+    refuses new work with 503 and lets its 8 in-flight streams finish, then exits 0. Last to use the
+    small-cache server: it stops it."""
+    server = small_cache
+    started: set[int] = set()
 
-        async def one(client: httpx.AsyncClient, i: int) -> list[str]:
-            body = {"model": MODEL, "prompt": f"Count {i}:", "stream": True}
-            body |= {"max_tokens": 60, "min_tokens": 60, "ignore_eos": True}
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                events = []
-                async for line in response.aiter_lines():
-                    if line.startswith("data:"):
-                        events.append(line[5:].strip())
-                        started.add(i)
-            return events
+    async def one(client: httpx.AsyncClient, i: int) -> list[str]:
+        body = {"model": MODEL, "prompt": f"Count {i}:", "stream": True}
+        body |= {"max_tokens": 60, "min_tokens": 60, "ignore_eos": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            events = []
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    events.append(line[5:].strip())
+                    started.add(i)
+        return events
 
-        async def run() -> tuple[list[list[str]], int | None]:
-            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-                tasks = [asyncio.create_task(one(client, i)) for i in range(8)]
-                while len(started) < 8:
-                    await asyncio.sleep(0.05)
-                os.killpg(server.pid, signal.SIGTERM)
-                refused = None
-                for _ in range(100):
-                    try:
-                        refused = (await client.post("/v1/completions", json={"prompt": "x"}, timeout=10)).status_code
-                    except httpx.HTTPError:
-                        break  # the listener is already closed: also a refusal
-                    if refused == 503:
-                        break
-                    await asyncio.sleep(0.05)
-                return await asyncio.gather(*tasks), refused
+    async def run() -> tuple[list[list[str]], int | None]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            tasks = [asyncio.create_task(one(client, i)) for i in range(8)]
+            while len(started) < 8:
+                await asyncio.sleep(0.05)
+            os.killpg(server.pid, signal.SIGTERM)
+            refused = None
+            for _ in range(100):
+                try:
+                    refused = (await client.post("/v1/completions", json={"prompt": "x"}, timeout=10)).status_code
+                except httpx.HTTPError:
+                    break  # the listener is already closed: also a refusal
+                if refused == 503:
+                    break
+                await asyncio.sleep(0.05)
+            return await asyncio.gather(*tasks), refused
 
-        streams, refused = asyncio.run(run())
-        assert refused in (503, None)
-        for events in streams:
-            assert events[-1] == "[DONE]"
-            chunks = [json.loads(e) for e in events[:-1]]
-            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-            assert not any("error" in chunk for chunk in chunks)
-        assert server.proc.wait(60) == 0
+    streams, refused = asyncio.run(run())
+    assert refused in (503, None)
+    for events in streams:
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert not any("error" in chunk for chunk in chunks)
+    assert server.proc.wait(60) == 0
 
 
 def test_kv_cache_smaller_than_one_request_is_refused_at_start_up():
@@ -281,18 +304,3 @@ def test_kv_cache_smaller_than_one_request_is_refused_at_start_up():
     )
     assert done.returncode != 0
     assert "fewer than one request of max_model_len=2048 needs" in done.stdout + done.stderr
-
-
-def test_n_samples_beyond_the_cache_complete_through_preemption():
-    """8 samples of 200 tokens need some 1,700 tokens of KV at once and the cache holds 960: samples are
-    preempted and recomputed in turn, and all complete (no 400, no preemption loop)."""
-    args = [*QUIET, "--max-model-len", "256", "--kv-cache-memory", "24MiB", "--block-size", "64"]
-    with RemoteServer(args) as server:
-        body = {"model": MODEL, "prompt": "List animals:", "n": 8, "max_tokens": 200, "min_tokens": 200}
-        body |= {"ignore_eos": True, "temperature": 0.8, "seed": 1}
-        response = server.post("/v1/completions", json=body, timeout=300)
-        assert response.status_code == 200, response.text
-        answer = response.json()
-        assert answer["usage"]["completion_tokens"] == 8 * 200
-        assert {choice["finish_reason"] for choice in answer["choices"]} == {"length"}
-        assert metrics(server)[f"pagedserve:num_preemptions_total{ENGINE}"] > 0
