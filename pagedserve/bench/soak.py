@@ -113,8 +113,9 @@ class Soak:
                         break
                     if chunk.get("usage"):
                         usage = True
-                    if chunk.get("choices"):
-                        now = time.perf_counter()
+                    choices = chunk.get("choices") or [{}]
+                    if choices[0].get("text") or (choices[0].get("delta") or {}).get("content"):
+                        now = time.perf_counter()  # a token's text (not the chat role chunk, sent first)
                         first = first or now
                         last = now
                         tokens += 1
@@ -271,8 +272,8 @@ def verdict(summary: dict, *, max_rss_growth_pct: float = 3.0, max_tpot_drift: f
         missed.append(f"RSS grew {summary['rss_growth_pct']:.2f} % after the warm-up")
     if summary["fds_when_idle"] > summary["fds"][0]:
         missed.append(f"open fds when idle {summary['fds_when_idle']} > {summary['fds'][0]} under load")
-    if summary["threads_when_idle"] > summary["threads"][1]:
-        missed.append(f"threads when idle {summary['threads_when_idle']} > {summary['threads'][1]}")
+    if summary["threads_when_idle"] > summary["threads"][0]:
+        missed.append(f"threads when idle {summary['threads_when_idle']} > {summary['threads'][0]} under load")
     if summary["kv_usage_when_idle"] != 0.0:
         missed.append(f"KV usage when idle {summary['kv_usage_when_idle']}")
     if summary["valid_errors"] or summary["bad_unexpected"]:

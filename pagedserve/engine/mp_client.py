@@ -10,6 +10,7 @@ receives and hands each step's outputs to the event loop as one batch.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -110,6 +111,9 @@ class MPEngineCoreClient(EngineCoreClient):
             daemon=True,
         )
         self._proc.start()
+        # the core ignores SIGTERM, so multiprocessing's own exit hook (terminate, then join with no
+        # timeout) would wait forever for a core an error path left running: kill it first
+        atexit.register(self._kill_at_exit)
         child_conn.close()
         try:
             message = self._conn.recv()
@@ -155,7 +159,13 @@ class MPEngineCoreClient(EngineCoreClient):
             await asyncio.to_thread(self._proc.join, 10)
         if self._proc.is_alive():
             self._proc.kill()
+        atexit.unregister(self._kill_at_exit)
         self._send_queue.put(None)
+
+    def _kill_at_exit(self) -> None:
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
 
     async def add_request(self, request: messages.EngineCoreRequest) -> None:
         self._check_alive()

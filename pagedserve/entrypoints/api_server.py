@@ -106,7 +106,7 @@ def build_app(context: ServerContext) -> FastAPI:
         guarded=is_guarded_path,
         api_keys=bool(options.api_keys),
         admin_key=context.config.admin_key is not None,
-        metrics_key=options.protect_metrics,
+        metrics_key=options.protect_metrics and bool(options.api_keys),
     )
     app.state.context = context
     _add_middleware(app, context)

@@ -17,6 +17,9 @@ except ImportError:  # httptools is optional: without it the server speaks h11
     HttpToolsProtocol = None
 
 HEAD_TOO_LARGE = b"Request header fields too large."
+# scope["extensions"][ABORT_EXTENSION]() drops the connection at once (a reset), unsent bytes and all;
+# an ASGI app can only close, which waits for a buffer a client that reads nothing never drains
+ABORT_EXTENSION = "pagedserve.abort_connection"
 
 
 class HeadTooLarge(Exception):
@@ -83,6 +86,7 @@ if HttpToolsProtocol is not None:
 
         def on_headers_complete(self) -> None:
             self._in_head = False
+            self.scope["extensions"] = {**self.scope.get("extensions", {}), ABORT_EXTENSION: self.transport.abort}
             super().on_headers_complete()
 
         def _count(self, size: int) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedserve.entrypoints.http_protocol import ABORT_EXTENSION
 from pagedserve.entrypoints.serving.errors import APIError, error_response
 
 OPEN_PATHS = frozenset(
@@ -132,6 +133,9 @@ class StreamStallMiddleware:
         except* StreamStalled:  # a group where the response streams from a task group
             if self.on_abort is not None:
                 self.on_abort()
+            abort_connection = scope.get("extensions", {}).get(ABORT_EXTENSION)
+            if abort_connection is not None:  # else (h11) the server closes it once its buffer drains
+                abort_connection()
 
 
 class StreamStalled(Exception):

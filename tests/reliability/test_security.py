@@ -41,7 +41,21 @@ def test_every_route_that_declares_a_key_refuses_a_missing_or_wrong_one(secured)
         for method, operation in operations.items()
         if operation.get("security")
     ]
-    assert len(guarded) >= 13  # inference, tokenizer, model listing, TGI, admin and /metrics
+    assert set(guarded) == {
+        ("post", "/v1/completions"),
+        ("post", "/v1/chat/completions"),
+        ("post", "/tokenize"),
+        ("post", "/detokenize"),
+        ("get", "/v1/models"),
+        ("get", f"/v1/models/{MODEL}"),
+        ("post", "/generate"),
+        ("post", "/generate_stream"),
+        ("post", "/"),
+        ("get", "/admin/models"),
+        ("post", "/admin/models"),
+        ("delete", f"/admin/models/{MODEL}"),
+        ("get", "/metrics"),
+    }
     for method, path in guarded:
         for key in (None, "wrong", KEY if path.startswith("/admin") else ADMIN_KEY):
             response = httpx.request(method.upper(), secured.url + path, headers=auth(key), json={}, timeout=30)

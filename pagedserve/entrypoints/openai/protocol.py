@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedserve.entrypoints.serving.request_limits import (
     MAX_CACHE_SALT_CHARS,
@@ -20,6 +20,7 @@ from pagedserve.entrypoints.serving.request_limits import (
     MAX_MESSAGES,
     MAX_STOP_STRING_CHARS,
 )
+from pagedserve.entrypoints.serving.strict_numbers import integral_floats_as_ints
 from pagedserve.sampling_params import MAX_N
 
 MAX_STOP_SEQUENCES = 16
@@ -56,8 +57,14 @@ _DOCUMENT = {"type": "object", "properties": {"title": {"type": "string"}, "text
 
 
 class OpenAIBaseModel(BaseModel):
-    # strict: no coercion of "5" to 5 or of true to 1 (a boolean is never a token id), as OpenAI's API
+    # strict: no coercion of "5" to 5 or of true to 1 (a boolean is never a token id), as OpenAI's API;
+    # an integral float is an integer (serving/strict_numbers.py)
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        return integral_floats_as_ints(cls, data)
 
 
 class StreamOptions(OpenAIBaseModel):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pagedserve.entrypoints.serving.strict_numbers import integral_floats_as_ints
 
 MAX_BEST_OF = 2
 MAX_STOP_SEQUENCES = 4
@@ -19,7 +21,12 @@ def _doc(default: Any = None, **schema: Any) -> Any:
 
 
 class GenerateParameters(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)  # and integral floats as ints
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        return integral_floats_as_ints(cls, data)
 
     best_of: int | None = _doc(None, minimum=1, maximum=MAX_BEST_OF, description="> 1 needs sampling and no seed")
     temperature: float | None = _doc(None, exclusiveMinimum=0)
@@ -62,7 +69,12 @@ class GenerateParameters(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)  # and integral floats as ints
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        return integral_floats_as_ints(cls, data)
 
     inputs: str = Field(json_schema_extra={"minLength": 1})
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
