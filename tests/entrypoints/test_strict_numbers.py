@@ -19,8 +19,7 @@ def test_integral_floats_are_integers():
 
 
 @pytest.mark.parametrize(
-    "fields",
-    [{"max_tokens": 1.5}, {"max_tokens": "4"}, {"prompt": [True, 2]}, {"n": True}, {"temperature": "0.5"}],
+    "fields", [{"max_tokens": 1.5}, {"max_tokens": "4"}, {"prompt": [True, 2]}, {"n": True}, {"temperature": "0.5"}]
 )
 def test_no_coercion_from_booleans_strings_or_fractions(fields):
     with pytest.raises(ValidationError):
