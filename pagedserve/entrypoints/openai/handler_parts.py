@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from pagedserve.engine.async_llm import AsyncLLM
-from pagedserve.entrypoints.openai.prompts import OpenAIPrompts
+from pagedserve.entrypoints.openai.prompts import OpenAIPrompts, PreparedPrompt
+from pagedserve.entrypoints.openai.protocol import SamplingFields
 from pagedserve.entrypoints.openai.request_checks import ServedModels
 from pagedserve.entrypoints.openai.sampling import SamplingBuilder
 from pagedserve.entrypoints.serving.admission import AdmissionControl
 from pagedserve.entrypoints.serving.logprobs import TokenTexts
 from pagedserve.entrypoints.serving.structured_outputs import StructuredOutputs
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,3 +30,16 @@ class GenerationParts:
     texts: TokenTexts
     request_timeout: float | None
     structured: StructuredOutputs
+
+    def generate(
+        self, prompt: PreparedPrompt, params: SamplingParams, request_id: str, request: SamplingFields
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The engine's stream for one prepared prompt, with the request's priority and cache salt."""
+        return self.engine.generate(
+            prompt.token_ids,
+            params,
+            request_id,
+            prompt=prompt.text,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+        )

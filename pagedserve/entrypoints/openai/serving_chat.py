@@ -14,13 +14,12 @@ from pagedserve.engine.core_client import EngineDeadError
 from pagedserve.entrypoints.openai.formatting import chat_logprobs, prompt_logprobs_json, usage
 from pagedserve.entrypoints.openai.handler_parts import GenerationParts
 from pagedserve.entrypoints.openai.prompts import PreparedPrompt
-from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, SamplingFields
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedserve.entrypoints.openai.request_checks import check_generation_request
 from pagedserve.entrypoints.openai.tool_calls import ToolCallingOptions, ToolPlan, ToolStream, plan_tools
 from pagedserve.entrypoints.serving.admission import collect, engine_failed, random_id, timeout_error
 from pagedserve.entrypoints.serving.errors import APIError, bad_request, json_response
 from pagedserve.entrypoints.serving.sse import SSE_DONE, TEXT_MARK, SSEResponse, SSETemplates, sse
-from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -55,7 +54,7 @@ class OpenAIServingChat:
             stream = self._stream(request, request_id, model_name, prompt, params, num_top, tools)
             return SSEResponse(stream, on_close=self.parts.admission.release)
         try:
-            result = await collect(self._generate(prompt, params, request_id, request), self.parts.request_timeout)
+            result = await collect(self.parts.generate(prompt, params, request_id, request), self.parts.request_timeout)
         finally:
             self.parts.admission.release()
         echo = _echo_text(request)
@@ -107,18 +106,6 @@ class OpenAIServingChat:
                 raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
             self.parts.sampling.check_logprobs(top, "top_logprobs")
         return (top or 0) if request.logprobs else None
-
-    def _generate(
-        self, prompt: PreparedPrompt, params: SamplingParams, request_id: str, request: SamplingFields
-    ) -> AsyncGenerator[RequestOutput, None]:
-        return self.parts.engine.generate(
-            prompt.token_ids,
-            params,
-            request_id,
-            prompt=prompt.text,
-            priority=request.priority,
-            cache_salt=request.cache_salt,
-        )
 
     # ----------------------------------------------------------------- streaming
     async def _stream(
@@ -174,7 +161,7 @@ class OpenAIServingChat:
                         }
                     )
             async with asyncio.timeout(self.parts.request_timeout):
-                async for output in self._generate(prompt, params, request_id, request):
+                async for output in self.parts.generate(prompt, params, request_id, request):
                     num_cached = output.num_cached_tokens
                     for completion in output.outputs:
                         num_generated += len(completion.token_ids)

@@ -13,7 +13,7 @@ from pagedserve.engine.core_client import EngineDeadError
 from pagedserve.entrypoints.openai.formatting import completion_logprobs, prompt_logprobs_json, usage
 from pagedserve.entrypoints.openai.handler_parts import GenerationParts
 from pagedserve.entrypoints.openai.prompts import PreparedPrompt
-from pagedserve.entrypoints.openai.protocol import CompletionRequest, SamplingFields
+from pagedserve.entrypoints.openai.protocol import CompletionRequest
 from pagedserve.entrypoints.openai.request_checks import check_generation_request
 from pagedserve.entrypoints.serving.admission import collect, engine_failed, random_id, timeout_error
 from pagedserve.entrypoints.serving.errors import APIError, bad_request, json_response
@@ -55,7 +55,7 @@ class OpenAIServingCompletion:
             async with asyncio.TaskGroup() as group:
                 tasks = [
                     group.create_task(
-                        collect(self._generate(p, sp, f"{request_id}-{i}", request), self.parts.request_timeout)
+                        collect(self.parts.generate(p, sp, f"{request_id}-{i}", request), self.parts.request_timeout)
                     )
                     for i, (p, sp) in enumerate(zip(prompts, params))
                 ]
@@ -76,18 +76,6 @@ class OpenAIServingCompletion:
         if request.echo and request.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
         return self.parts.sampling.build(request, max_tokens, request.logprobs, prompt_logprobs, constraint)
-
-    def _generate(
-        self, prompt: PreparedPrompt, params: SamplingParams, request_id: str, request: SamplingFields
-    ) -> AsyncGenerator[RequestOutput, None]:
-        return self.parts.engine.generate(
-            prompt.token_ids,
-            params,
-            request_id,
-            prompt=prompt.text,
-            priority=request.priority,
-            cache_salt=request.cache_salt,
-        )
 
     # ----------------------------------------------------------------- non-streaming
     def _response(
@@ -157,7 +145,7 @@ class OpenAIServingCompletion:
         n = request.n
         texts = self.parts.texts
         streams = [
-            self._generate(p, sp, f"{request_id}-{i}", request) for i, (p, sp) in enumerate(zip(prompts, params))
+            self.parts.generate(p, sp, f"{request_id}-{i}", request) for i, (p, sp) in enumerate(zip(prompts, params))
         ]
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
