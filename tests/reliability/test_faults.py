@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 
 import httpx
 import psutil
@@ -50,6 +51,21 @@ def engine_core_process(server: RemoteServer) -> psutil.Process:
     return max(children, key=lambda child: child.memory_info().rss)
 
 
+async def status_until_503(call: Callable[[], Awaitable[httpx.Response]]) -> int | None:
+    """Repeat ``call`` (100 tries, 50 ms apart) until it answers 503; its last status, or None once the
+    connection is refused (the listener closed: also a refusal)."""
+    status = None
+    for _ in range(100):
+        try:
+            status = (await call()).status_code
+        except httpx.HTTPError:
+            return None
+        if status == 503:
+            break
+        await asyncio.sleep(0.05)
+    return status
+
+
 def sse_data(lines: list[str]) -> list[str]:
     return [line[5:].strip() for line in lines if line.startswith("data:")]
 
@@ -80,15 +96,7 @@ def test_engine_core_killed_mid_stream_ends_every_stream_with_an_error():
                 while len(started) < 32:
                     await asyncio.sleep(0.05)
                 os.kill(core.pid, signal.SIGKILL)
-                health = None
-                for _ in range(100):
-                    try:
-                        health = (await client.get("/health", timeout=5)).status_code
-                    except httpx.HTTPError:
-                        break  # already exiting: the listener is closed
-                    if health == 503:
-                        break
-                    await asyncio.sleep(0.05)
+                health = await status_until_503(lambda: client.get("/health", timeout=5))
                 return await asyncio.wait_for(asyncio.gather(*tasks), 60), health
 
         streams, health = asyncio.run(run())
@@ -276,15 +284,7 @@ def test_sigterm_to_the_process_group_drains_streams_then_exits_zero(small_cache
             while len(started) < 8:
                 await asyncio.sleep(0.05)
             os.killpg(server.pid, signal.SIGTERM)
-            refused = None
-            for _ in range(100):
-                try:
-                    refused = (await client.post("/v1/completions", json={"prompt": "x"}, timeout=10)).status_code
-                except httpx.HTTPError:
-                    break  # the listener is already closed: also a refusal
-                if refused == 503:
-                    break
-                await asyncio.sleep(0.05)
+            refused = await status_until_503(lambda: client.post("/v1/completions", json={"prompt": "x"}, timeout=10))
             return await asyncio.gather(*tasks), refused
 
     streams, refused = asyncio.run(run())
