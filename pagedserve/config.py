@@ -120,6 +120,71 @@ class SchedulerConfig:
             raise ValueError("policy must be fcfs or priority")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+DEFAULT_PROMPT_LOOKUP_MAX = 4
+DEFAULT_PROMPT_LOOKUP_MIN = 2
+_SPECULATIVE_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's ``--speculative-config`` keys.
+
+    ``ngram`` (prompt lookup): the last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens of a
+    sequence are looked up earlier in it (prompt and output), and the ``num_speculative_tokens``
+    tokens that followed the most recent match are proposed; the target model checks them all in
+    one forward. Speculation is off for a step when more than ``disable_by_batch_size`` requests
+    run (the verification rows cost more than they save in a large batch).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
+    disable_by_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method == "draft_model":
+            raise ValueError("speculative method 'draft_model' is not available yet; use 'ngram'")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, not {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative config: {name} must be a positive integer, not {value!r}")
+        if self.num_speculative_tokens > 16:
+            raise ValueError("speculative config: num_speculative_tokens must be at most 16")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative config: prompt_lookup_min must not exceed prompt_lookup_max")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> SpeculativeConfig:
+        """From vLLM's JSON form; an unknown key is an error. Only one of ``prompt_lookup_max`` /
+        ``prompt_lookup_min`` given: the other takes its value where the default would not fit."""
+        if not isinstance(values, dict):
+            raise ValueError("speculative config must be a JSON object")
+        unknown = sorted(set(values) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(
+                f"speculative config: unknown key(s) {', '.join(unknown)}; known: {', '.join(_SPECULATIVE_KEYS)}"
+            )
+        values = dict(values)
+        if "method" not in values:
+            raise ValueError("speculative config: 'method' is required (e.g. \"ngram\")")
+        lookup_max, lookup_min = values.get("prompt_lookup_max"), values.get("prompt_lookup_min")
+        if isinstance(lookup_max, int) and lookup_min is None:
+            values["prompt_lookup_min"] = min(lookup_max, DEFAULT_PROMPT_LOOKUP_MIN)
+        if isinstance(lookup_min, int) and lookup_max is None:
+            values["prompt_lookup_max"] = max(lookup_min, DEFAULT_PROMPT_LOOKUP_MAX)
+        return cls(**values)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs; built once from the CLI or the LLM constructor."""
@@ -130,6 +195,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
     max_logprobs: int = 20
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
 
 ENGINE_KINDS = ("paged", "hf")

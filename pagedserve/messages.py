@@ -74,6 +74,12 @@ class SchedulerStats:
     model_forward_seconds: float = 0.0  # of it, in the model forward and logits (paged engine)
     model_forward_cpu_seconds: float = 0.0  # CPU time of the engine's process meanwhile, all threads (paged engine)
     engine_cpu_seconds: float = 0.0  # CPU time of the process the engine runs in, all threads (paged engine)
+    # speculative decoding: verifications run (a request's drafts in one step), draft tokens verified,
+    # of them accepted, and accepted per draft position (vLLM's spec_decode_* counters)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

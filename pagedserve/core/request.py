@@ -50,6 +50,10 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     first_output_sent: bool = False
+    # speculative decoding back-off: steps left without drafts, and the length of the last back-off
+    # (doubled each time a whole draft is rejected, reset when one is accepted)
+    spec_skip_steps: int = 0
+    spec_backoff: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -14,15 +14,25 @@ class ScheduledRequest:
 
     ``num_samples`` is 0 for a prefill chunk that does not reach the end of the known tokens,
     ``n`` at the fork point of an ``n > 1`` request, else 1.
+
+    ``spec_token_ids``: draft tokens (speculative decoding) run after the request's last token, so
+    ``num_new_tokens`` is ``1 + len(spec_token_ids)``; the runner samples at all those positions and
+    returns the accepted drafts plus one token of its own.
     """
 
     request: Request
     num_new_tokens: int
     num_samples: int
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
         return self.num_new_tokens == 1 and self.request.num_computed_tokens > 0
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of logits this request takes in the step: one per sample, or one per verified position."""
+        return len(self.spec_token_ids) + 1 if self.spec_token_ids else self.num_samples
 
 
 @dataclass(slots=True)
@@ -43,7 +53,8 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """Per scheduled request, in the same order: sampled tokens (0, 1 or n) and logprobs when asked."""
+    """Per scheduled request, in the same order: sampled tokens (0, 1 or n; for a request with drafts, the
+    accepted drafts and one more) and logprobs when asked (one per token)."""
 
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprob] | None]

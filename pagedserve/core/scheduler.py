@@ -6,6 +6,11 @@ each, or the next chunk of a prompt), then admits WAITING ones. A prompt that do
 what is left of the budget is prefilled in chunks over several steps. When the KV cache runs
 out, the newest (or, under the priority policy, the least important) running request is
 preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
+
+With speculative decoding, a decoding request may run its last token plus draft tokens (prompt
+lookup) in one step: the drafts count against the token budget and take KV slots; the runner
+returns the drafts the model agreed with plus one token of its own, and the slots of rejected
+drafts are simply overwritten later (their blocks stay with the request for its next tokens).
 """
 
 from __future__ import annotations
@@ -14,19 +19,36 @@ import bisect
 import time
 from collections import deque
 
-from pagedserve.config import SchedulerConfig
+from pagedserve.config import SchedulerConfig, SpeculativeConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.ngram_proposer import NgramProposer
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.messages import ITERATION_TOKEN_BUCKETS, EngineCoreOutput, SchedulerStats
 from pagedserve.outputs import FinishReason
 
+MAX_SPEC_BACKOFF_STEPS = 32  # longest pause in drafting for a request whose drafts keep being rejected
+
 
 class Scheduler:
     """Owns the waiting queue, the running list and every live sample (``requests``)."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        max_model_len: int,
+        speculative: SpeculativeConfig | None = None,
+    ) -> None:
         self.config = config
+        self.speculative = speculative
+        self.proposer = (
+            NgramProposer(
+                speculative.prompt_lookup_min, speculative.prompt_lookup_max, speculative.num_speculative_tokens
+            )
+            if speculative is not None
+            else None
+        )
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -75,15 +97,22 @@ class Scheduler:
         preempted = False
         now = time.monotonic()
 
+        speculate = self.proposer is not None and len(self.running) <= self.speculative.disable_by_batch_size
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.config.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
+            num_left = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_left, budget)
+            if not self.config.enable_chunked_prefill and num_new < num_left:
                 i += 1
                 continue
+            drafts = self._propose(request, budget) if speculate and num_left == 1 else []
+            num_new += len(drafts)
             preempted_here = False
             while not self.kv_cache.allocate_slots(request, num_new):
+                if drafts:  # no room for the drafts: run the plain decode before preempting anyone
+                    drafts, num_new = [], num_new - len(drafts)
+                    continue
                 victim = self._pick_victim()
                 budget += self._unschedule(scheduled, victim)
                 self._preempt(victim)
@@ -92,7 +121,7 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted itself; the list shifted under index i
-            scheduled.append(ScheduledRequest(request, num_new, self._num_samples(request, num_new)))
+            scheduled.append(ScheduledRequest(request, num_new, self._num_samples(request, num_new), drafts))
             budget -= num_new
             i = self.running.index(request) + 1 if preempted_here else i + 1
 
@@ -142,6 +171,9 @@ class Scheduler:
             request = item.request
             if request.is_finished:
                 continue
+            if item.spec_token_ids:
+                outputs.append(self._update_speculative(item, tokens, logprobs))
+                continue
             if request.num_computed_tokens < request.num_prompt_tokens:
                 self.num_prompt_tokens += min(
                     item.num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens
@@ -158,10 +190,57 @@ class Scheduler:
             for k, (sample, token_id) in enumerate(zip(samples, tokens)):
                 sample.append_token(token_id)
                 self.num_generation_tokens += 1
-                outputs.append(self._make_output(sample, token_id, logprobs[k] if logprobs else None))
+                finish_reason, stop_reason = self._check_stop(sample, token_id)
+                new_logprobs = [logprobs[k]] if logprobs else None
+                outputs.append(self._make_output(sample, [token_id], new_logprobs, finish_reason, stop_reason))
         if outputs:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _update_speculative(self, item: ScheduledRequest, tokens: list[int], logprobs: list | None) -> EngineCoreOutput:
+        """A decode with drafts: ``tokens`` are the accepted drafts and the model's next token. They are
+        appended up to the first that finishes the request; the K/V of the last input token and of the
+        accepted drafts is now computed."""
+        request = item.request
+        self._record_acceptance(request, len(item.spec_token_ids), len(tokens) - 1)
+        finish_reason = stop_reason = None
+        num_appended = 0
+        for token_id in tokens:
+            request.append_token(token_id)
+            num_appended += 1
+            finish_reason, stop_reason = self._check_stop(request, token_id)
+            if finish_reason is not None:
+                break
+        self.num_generation_tokens += num_appended
+        request.num_computed_tokens += num_appended
+        self.kv_cache.cache_blocks(request)
+        new_logprobs = logprobs[:num_appended] if logprobs else None
+        return self._make_output(request, tokens[:num_appended], new_logprobs, finish_reason, stop_reason)
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request, within the budget, ``max_tokens`` and the context."""
+        params = request.sampling_params
+        if request.num_samples_to_fork > 1 or params.structured_outputs is not None:
+            return []
+        if request.spec_skip_steps:
+            request.spec_skip_steps -= 1
+            return []
+        max_drafts = min(budget, self.max_model_len - request.num_tokens) - 1  # each step emits drafts + 1
+        if params.max_tokens is not None:
+            max_drafts = min(max_drafts, params.max_tokens - request.num_output_tokens - 1)
+        return self.proposer.propose(request.all_token_ids, max_drafts) if max_drafts > 0 else []
+
+    def _record_acceptance(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.spec_accepted_per_pos[position] += 1
+        if num_accepted == 0:  # back off: this request's continuation does not follow its context now
+            request.spec_backoff = min(max(1, 2 * request.spec_backoff), MAX_SPEC_BACKOFF_STEPS)
+            request.spec_skip_steps = request.spec_backoff
+        else:
+            request.spec_backoff = 0
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -179,6 +258,10 @@ class Scheduler:
             num_steps=self.num_steps,
             iteration_token_counts=tuple(self._iteration_token_counts),
             iteration_tokens_sum=self._iteration_tokens_sum,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.spec_accepted_per_pos),
         )
 
     def reset_counters(self) -> None:
@@ -186,6 +269,9 @@ class Scheduler:
         self.num_preemptions = self.num_prompt_tokens = self.num_generation_tokens = self.num_steps = 0
         self._iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self._iteration_tokens_sum = 0
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        num_positions = self.speculative.num_speculative_tokens if self.speculative is not None else 0
+        self.spec_accepted_per_pos = [0] * num_positions
         self.kv_cache.prefix_cache_queries = self.kv_cache.prefix_cache_hits = 0
 
     # ----------------------------------------------------------------- helpers
@@ -229,13 +315,20 @@ class Scheduler:
         self.requests[parent.request_id].extend(children)
         return children
 
-    def _make_output(self, request: Request, token_id: int, logprobs: object) -> EngineCoreOutput:
-        finish_reason, stop_reason = self._check_stop(request, token_id)
+    def _make_output(
+        self,
+        request: Request,
+        token_ids: list[int],
+        logprobs: list | None,
+        finish_reason: FinishReason | None,
+        stop_reason: int | None,
+    ) -> EngineCoreOutput:
+        """The output of this step's new tokens (already appended); finishes the request if they did."""
         output = EngineCoreOutput(
             request_id=request.request_id,
             index=request.index,
-            new_token_ids=[token_id],
-            new_logprobs=[logprobs] if logprobs is not None else None,  # type: ignore[list-item]
+            new_token_ids=token_ids,
+            new_logprobs=logprobs if logprobs and logprobs[0] is not None else None,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             num_cached_tokens=request.num_cached_tokens,

@@ -67,7 +67,7 @@ class LLMEngine:
         self.vocab_size = loaded.vocab_size
         self.eos_token_ids = loaded.eos_token_ids
         self.kv_cache = KVCacheManager(num_blocks, block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, config.speculative)
         # wall seconds from one step's start to the next while requests were in flight (cumulative): the
         # steps themselves and what the engine loop does between them (inputs, sending outputs)
         self._busy_seconds = 0.0

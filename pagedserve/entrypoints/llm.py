@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
+from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, parse_size
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.entrypoints.input_checks import ModelLimits
@@ -50,6 +50,7 @@ class LLM:
         quantization: str | None = None,
         quantization_group_size: int = 32,
         quantization_symmetric: bool = False,
+        speculative_config: dict | SpeculativeConfig | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -77,6 +78,11 @@ class LLM:
             device=device,
             num_threads=num_threads,
             max_logprobs=max_logprobs,
+            speculative=(
+                SpeculativeConfig.from_dict(speculative_config)
+                if isinstance(speculative_config, dict)
+                else speculative_config
+            ),
         )
         self._attach(LLMEngine(config))
 

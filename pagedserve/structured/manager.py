@@ -125,7 +125,7 @@ class StructuredOutputManager:
                         constrained.append((num_rows + s, matcher))
                     elif request.eos_token_ids:
                         ended.append((num_rows + s, request.eos_token_ids))
-            num_rows += item.num_samples
+            num_rows += item.num_logit_rows
         if not constrained and not ended:
             return None
         import xgrammar as xgr

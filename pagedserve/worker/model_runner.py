@@ -1,9 +1,16 @@
 """ModelRunner: owns the model and the paged KV cache tensors, turns a SchedulerOutput into one forward pass and samples.
 
 Each step it builds flat inputs for all scheduled requests (decodes first, then prefill
-chunks): token ids, positions, slot mapping, block tables and context lengths; runs the
-model once; takes logits only where a token is sampled (or prompt logprobs are asked); and
-samples.
+chunks and decodes with draft tokens): token ids, positions, slot mapping, block tables and
+context lengths; runs the model once; takes logits only where a token is sampled (or prompt
+logprobs are asked); and samples.
+
+A decode with draft tokens (speculative decoding) is sampled at each of its positions, position
+``j`` as if drafts ``0..j-1`` had been accepted (penalties and ``min_tokens`` see them); drafts are
+accepted while they equal the token sampled before them, and the first token that differs (or the
+one after the last draft) ends the step's output. A draft is thus kept with exactly the probability
+the model gives it, and every emitted token is a draw from the model's own distribution: the
+rejection-sampling rule for drafts proposed with certainty, as prompt-lookup drafts are.
 """
 
 from __future__ import annotations
@@ -31,6 +38,15 @@ def kv_cache_bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def accepted_prefix(drafts: list[int], sampled: list[int]) -> int:
+    """How many leading drafts equal the tokens sampled at their positions (``sampled[j]`` is the token
+    sampled where ``drafts[j]`` was proposed)."""
+    num = 0
+    while num < len(drafts) and drafts[num] == sampled[num]:
+        num += 1
+    return num
 
 
 class ModelRunner:
@@ -98,7 +114,8 @@ class ModelRunner:
         for item in items:
             start = item.request.num_computed_tokens
             end = start + item.num_new_tokens
-            input_ids.extend(item.request.all_token_ids[start:end])
+            input_ids.extend(item.request.all_token_ids[start:end])  # with drafts: the last known token
+            input_ids.extend(item.spec_token_ids)
             positions.extend(range(start, end))
         meta = build_attention_metadata(
             [item.request.num_computed_tokens for item in items],
@@ -117,6 +134,13 @@ class ModelRunner:
         owners: list[int] = []  # which item each row belongs to
         for k, item in enumerate(items):
             last = meta.query_start_loc[k + 1] - 1
+            if item.spec_token_ids:  # one row per verified position: the last known token's, then each draft's
+                first = last - len(item.spec_token_ids)
+                for j in range(len(item.spec_token_ids) + 1):
+                    sample_rows.append(first + j)
+                    rows.append(self._sampling_row(item, 0, item.spec_token_ids[:j]))
+                    owners.append(k)
+                continue
             for s in range(item.num_samples):
                 sample_rows.append(last)
                 rows.append(self._sampling_row(item, s))
@@ -136,6 +160,12 @@ class ModelRunner:
                 sampled[owner].append(token)
                 if logprob is not None:
                     logprobs[owner] = (logprobs[owner] or []) + [logprob]
+            for k, item in enumerate(items):
+                if item.spec_token_ids:
+                    num_emitted = accepted_prefix(item.spec_token_ids, sampled[k]) + 1
+                    del sampled[k][num_emitted:]
+                    if logprobs[k] is not None:
+                        del logprobs[k][num_emitted:]
         prompt_logprobs = [
             self._prompt_logprobs(item, hidden, meta.query_start_loc[k])
             if item.request.sampling_params.prompt_logprobs is not None
@@ -152,13 +182,15 @@ class ModelRunner:
         self.forward_cpu_seconds += time.process_time() - start_cpu
         return out
 
-    def _sampling_row(self, item: ScheduledRequest, sample: int) -> SamplingRow:
+    def _sampling_row(self, item: ScheduledRequest, sample: int, drafts: list[int] | None = None) -> SamplingRow:
+        """The row of sample ``sample``; ``drafts``: the draft tokens taken as accepted before this position."""
         request = item.request
+        output_token_ids = request.output_token_ids
         return SamplingRow(
             params=request.sampling_params,
             generator=self._generator(item, sample),
             prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
+            output_token_ids=output_token_ids + drafts if drafts else output_token_ids,
             eos_token_ids=request.eos_token_ids,
         )
 
