@@ -169,12 +169,14 @@ class SpeculativeConfig:
         ``prompt_lookup_min`` given: the other takes its value where the default would not fit."""
         if not isinstance(values, dict):
             raise ValueError("speculative config must be a JSON object")
-        unknown = sorted(set(values) - set(_SPECULATIVE_KEYS))
+        unknown = sorted(set(values) - set(_SPECULATIVE_KEYS) - {"model"})
         if unknown:
             raise ValueError(
                 f"speculative config: unknown key(s) {', '.join(unknown)}; known: {', '.join(_SPECULATIVE_KEYS)}"
             )
         values = dict(values)
+        if values.get("method") == "draft_model" or "model" in values:
+            raise ValueError("speculative decoding with a draft model is not available yet; use method 'ngram'")
         if "method" not in values:
             raise ValueError("speculative config: 'method' is required (e.g. \"ngram\")")
         lookup_max, lookup_min = values.get("prompt_lookup_max"), values.get("prompt_lookup_min")

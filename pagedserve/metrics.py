@@ -73,6 +73,13 @@ _ENGINE_COUNTERS = (
 )
 
 
+_SPEC_DECODE_COUNTERS = (
+    ("spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts"),
+    ("spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_num_accepted_tokens"),
+)
+
+
 class _EngineStateCollector:
     """Gauges and counters read at scrape time from every served model's current core: one series per
     replica (``replica_statuses()``), labelled ``model_name`` and ``replica``; the KV cache's shape per
@@ -98,6 +105,15 @@ class _EngineStateCollector:
             "Information of the KV cache config.",
             labels=["block_size", "num_gpu_blocks", "model_name"],
         )
+        spec_counters = [
+            (CounterMetricFamily(PREFIX + name, doc, labels=labels), field)
+            for name, doc, field in _SPEC_DECODE_COUNTERS
+        ]
+        spec_per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*labels, "position"],
+        )
         bounds = [str(float(bound)) for bound in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
         extra: dict[str, Metric] = {}
         for model_name, core in self._sources():
@@ -109,6 +125,11 @@ class _EngineStateCollector:
                 value = [model_name, status.replica_id]
                 for family, field in (*gauges, *counters):
                     family.add_metric(value, getattr(stats, field))
+                if stats.spec_accepted_per_pos:  # speculative decoding is on
+                    for family, field in spec_counters:
+                        family.add_metric(value, getattr(stats, field))
+                    for position, count in enumerate(stats.spec_accepted_per_pos):
+                        spec_per_pos.add_metric([*value, str(position)], count)
                 if stats.iteration_token_counts:  # the paged engine's steps
                     buckets = list(zip(bounds, itertools.accumulate(stats.iteration_token_counts)))
                     histogram.add_metric(value, buckets, stats.iteration_tokens_sum)
@@ -120,6 +141,9 @@ class _EngineStateCollector:
                     extra[family.name] = family
         yield from (family for family, _ in gauges)
         yield from (family for family, _ in counters)
+        for family in (*(family for family, _ in spec_counters), spec_per_pos):
+            if family.samples:
+                yield family
         if histogram.samples:
             yield histogram
         if cache_info.samples:

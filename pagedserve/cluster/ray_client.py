@@ -464,15 +464,17 @@ def merge_stats(snapshots: list[SchedulerStats]) -> SchedulerStats:
     merged = SchedulerStats()
     for field in dataclasses.fields(SchedulerStats):
         name = field.name
-        if name in ("kv_cache_usage", "iteration_token_counts"):
+        if name == "kv_cache_usage":
             continue
-        setattr(merged, name, sum(getattr(stats, name) for stats in snapshots))
+        values = [getattr(stats, name) for stats in snapshots]
+        if isinstance(values[0], tuple):  # per-bucket / per-position counts: summed column by column
+            rows = [value for value in values if value]
+            setattr(merged, name, tuple(sum(column) for column in zip(*rows)) if rows else ())
+        else:
+            setattr(merged, name, sum(values))
     total_blocks = sum(stats.num_blocks for stats in snapshots)
     if total_blocks:
         merged.kv_cache_usage = sum(stats.kv_cache_usage * stats.num_blocks for stats in snapshots) / total_blocks
     else:
         merged.kv_cache_usage = sum(stats.kv_cache_usage for stats in snapshots) / len(snapshots)
-    counts = [stats.iteration_token_counts for stats in snapshots if stats.iteration_token_counts]
-    if counts:
-        merged.iteration_token_counts = tuple(sum(column) for column in zip(*counts))
     return merged

@@ -18,6 +18,7 @@ from pagedserve.config import (
     ModelConfig,
     ModelSpec,
     SchedulerConfig,
+    SpeculativeConfig,
     parse_size,
 )
 from pagedserve.entrypoints.server_config import HTTPOptions, ServerConfig
@@ -51,6 +52,17 @@ def _size_arg(text: str) -> int:
     try:
         return parse_size(text)
     except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _speculative_config_arg(text: str) -> SpeculativeConfig:
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg}): {text!r}") from exc
+    try:
+        return SpeculativeConfig.from_dict(values)
+    except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
@@ -132,6 +144,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument("--device", default="auto")
     engine.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     engine.add_argument("--max-logprobs", type=int, default=20)
+    engine.add_argument(
+        "--speculative-config",
+        type=_speculative_config_arg,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 8}\' (docs/speculative-decoding.md)',
+    )
     cluster = parser.add_argument_group("cluster (engine replicas on Ray; on with --replicas or --ray-address)")
     cluster.add_argument(
         "--replicas",
@@ -438,6 +458,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         num_threads=args.num_threads,
         max_logprobs=args.max_logprobs,
+        speculative=args.speculative_config,
     )
 
 

@@ -1,8 +1,8 @@
 """Fidelity: greedy output of the default model equals Hugging Face transformers' generate (float32).
 
 Checked for twelve prompts of 5 to ~1,500 tokens: each alone, all batched together with filler
-requests (16 at once), with chunked prefill forced, with preemption forced, and on a prefix-cache
-hit. Logprobs of the chosen tokens match transformers' to 1e-3. Where a genuine near-tie (top-2
+requests (16 at once), with chunked prefill forced, with preemption forced, on a prefix-cache
+hit, and with speculative decoding (prompt lookup) alone and batched. Logprobs of the chosen tokens match transformers' to 1e-3. Where a genuine near-tie (top-2
 logprob gap under 1e-4 in the reference) makes the two diverge, the comparison stops there, as
 vLLM's ``check_logprobs_close`` does, and the test says so with a warning.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.models.default_model import default_model_path
@@ -91,7 +91,13 @@ def reference(prompt_ids) -> list[Reference]:
 def make_llm(loaded, **overrides) -> LLM:
     cache = CacheConfig(block_size=16, kv_cache_memory=256 << 20, num_blocks_override=overrides.pop("num_blocks", None))
     scheduler = SchedulerConfig(max_num_batched_tokens=overrides.pop("budget", 2048), max_num_seqs=64)
-    config = EngineConfig(model=ModelConfig(dtype="float32"), cache=cache, scheduler=scheduler, device="cpu")
+    config = EngineConfig(
+        model=ModelConfig(dtype="float32"),
+        cache=cache,
+        scheduler=scheduler,
+        device="cpu",
+        speculative=overrides.pop("speculative", None),
+    )
     return LLM.from_engine(LLMEngine(config, loaded=loaded))
 
 
@@ -158,4 +164,23 @@ def test_preemption_forced(loaded, prompt_ids, reference):
     outputs = llm.generate([{"prompt_token_ids": prompt_ids[i]} for i in order], greedy())
     assert llm.engine.scheduler.num_preemptions > 0
     check_against_reference(outputs, [reference[i] for i in order], "preemption")
+    assert_no_leak(llm)
+
+
+def test_speculative_decoding_alone_and_batched(loaded, prompt_ids, reference):
+    # every request drafts, the batch of 16 included (disable_by_batch_size above it)
+    spec = SpeculativeConfig(
+        num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2, disable_by_batch_size=64
+    )
+    llm = make_llm(loaded, speculative=spec)
+    alone = [llm.generate({"prompt_token_ids": ids}, greedy())[0] for ids in prompt_ids]
+    check_against_reference(alone, reference, "speculative, alone")
+    stats = llm.engine.get_stats()
+    assert stats.spec_num_accepted_tokens > 0 and stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
+    assert_no_leak(llm)
+    fillers = [{"prompt": text} for text in FILLERS]
+    llm.engine.kv_cache.pool.reset_prefix_cache()
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids] + fillers, greedy())
+    check_against_reference(outputs[: len(prompt_ids)], reference, "speculative, batched")
+    assert llm.engine.get_stats().spec_num_drafts > stats.spec_num_drafts
     assert_no_leak(llm)
