@@ -223,6 +223,8 @@ class ModelSpec:
             raise ValueError(f"engine must be one of {', '.join(ENGINE_KINDS)}; got {self.engine!r}")
         if self.replicas < 1:
             raise ValueError("replicas must be at least 1")
+        if self.engine == "hf" and self.engine_config.speculative is not None:
+            raise ValueError("speculative decoding needs the paged engine, not --engine hf")
 
 
 REQUEST_ROUTERS = ("round-robin", "least-loaded", "prefix-affinity")

@@ -55,10 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload",
         default="short",
         help=f"comma-separated, from {', '.join(WORKLOAD_NAMES)}; short=50/100, medium=200/500, "
-        "long=500/1000 input/output tokens, mixed=20/50/30%% of them",
+        "long=500/1000 input/output tokens, mixed=20/50/30%% of them; grounded: copy / correct / quote a "
+        "passage of --input-len tokens (output: the passage's length + 16)",
     )
     work.add_argument(
-        "--input-len", type=int, default=128, help="random: prompt tokens; shared-prefix: unique suffix tokens"
+        "--input-len",
+        type=int,
+        default=128,
+        help="random: prompt tokens; shared-prefix: unique suffix tokens; grounded: passage tokens",
     )
     work.add_argument(
         "--output-len",
@@ -183,7 +187,7 @@ def _settings(args: argparse.Namespace, workloads: list[str], points: list[LoadP
     return {
         "endpoint": args.endpoint,
         "workloads": workloads,
-        "input_len": args.input_len if {"random", "shared-prefix"} & set(workloads) else None,
+        "input_len": args.input_len if {"random", "shared-prefix", "grounded"} & set(workloads) else None,
         "output_len": args.output_len,
         "shared_prefix_len": args.shared_prefix_len if "shared-prefix" in workloads else None,
         "dataset_path": args.dataset_path,

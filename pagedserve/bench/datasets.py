@@ -1,5 +1,7 @@
 """Benchmark workloads: real-text prompts cut to an exact token length, four fixed mixes,
-random lengths, ShareGPT-format JSON and a shared-prefix set.
+random lengths, ShareGPT-format JSON, a shared-prefix set, and input-grounded tasks (copy, correct,
+quote a passage: answers that repeat spans of their prompt, where speculative decoding by prompt
+lookup pays).
 
 Prompt text comes from the Python reference manual shipped with every CPython
 (``pydoc_data.topics``); each prompt is a window at a random offset into it, so prompts are
@@ -25,7 +27,14 @@ WORKLOADS: dict[str, list[tuple[float, int, int]]] = {
     "long": [(1.0, 500, 1000)],
     "mixed": [(0.2, 50, 100), (0.5, 200, 500), (0.3, 500, 1000)],
 }
-WORKLOAD_NAMES = ("short", "medium", "long", "mixed", "random", "sharegpt", "shared-prefix")
+WORKLOAD_NAMES = ("short", "medium", "long", "mixed", "random", "sharegpt", "shared-prefix", "grounded")
+# input-grounded tasks: the answer is the passage again, or nearly (output length: the passage's + 16)
+GROUNDED_TASKS = (
+    "Copy the following passage exactly, word for word.\n\nPassage:\n{passage}\n\nCopy:\n",
+    "Rewrite the following passage with correct spelling and punctuation, changing nothing else."
+    "\n\nPassage:\n{passage}\n\nRewritten passage:\n",
+    "Quote the passage below in full.\n\n{passage}\n\nThe passage, quoted in full:\n",
+)
 _MIX_NAMES = {(50, 100): "short", (200, 500): "medium", (500, 1000): "long"}
 
 _FALLBACK_TEXT = (
@@ -208,6 +217,12 @@ class RequestSource:
             input_len = self._spread(self.input_len)
             text, prompt_len = self.factory.text(input_len, self.rng)
             return SampleRequest(text, prompt_len, self._spread(self.output_len), "random")
+        if self.workload == "grounded":
+            passage, passage_len = self.factory.text(self.input_len, self.rng)
+            prompt = self.rng.choice(GROUNDED_TASKS).format(passage=passage)
+            prompt_len = self.factory.count(prompt) + self.factory.chat_overhead
+            output_len = self.output_len_override or passage_len - self.factory.chat_overhead + 16
+            return SampleRequest(prompt, prompt_len, output_len, "grounded")
         if self.workload == "shared-prefix":
             prefix = self.rng.choice(self._prefixes)
             suffix, _ = self.factory.text(self.input_len, self.rng)

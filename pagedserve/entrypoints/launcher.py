@@ -226,4 +226,11 @@ def _print_banner(url: str, info: ModelInfo, names: tuple[str, ...], config: Ser
         f"admin API: {'on' if config.admin_key else 'off'}   "
         f"engines: {'Ray' if config.cluster is not None else 'local'}   model loaded in {load_s:.1f} s",
     ]
+    spec = config.models[0].engine_config.speculative
+    if spec is not None and info.engine_name == "paged":
+        lines.append(
+            f"  speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} draft tokens "
+            f"(lookup of {spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens), "
+            f"off while more than {spec.disable_by_batch_size} requests run"
+        )
     logger.info("\n%s", "\n".join(lines))

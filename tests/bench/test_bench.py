@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pagedserve.bench import cli
-from pagedserve.bench.datasets import WORKLOADS, PromptFactory, RequestSource, encode
+from pagedserve.bench.datasets import GROUNDED_TASKS, WORKLOADS, PromptFactory, RequestSource, encode
 from pagedserve.bench.kv_demand import demand_tokens, kv_demand_summary, reserved_tokens
 from pagedserve.bench.metrics import parse_slo, stats_ms, summarize, tokens_streamed_after
 from pagedserve.bench.monitor import parse_cache_config, parse_prometheus
@@ -411,6 +411,21 @@ def test_random_shared_prefix_and_chat_lengths(tokenizer, factory):
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
     )
     assert prompt_len == 80 == len(templated)
+
+
+def test_grounded_workload_repeats_a_passage_of_its_prompt(tokenizer, factory):
+    samples = RequestSource("grounded", factory, seed=7, input_len=96).take(6)
+    assert len({s.prompt for s in samples}) == 6 and {s.workload for s in samples} == {"grounded"}
+    for sample in samples:
+        assert sample.prompt_len == len(encode(tokenizer, sample.prompt))
+        # the prompt is one task template around a passage of ~input_len tokens; the answer may copy it all
+        templates = [t.split("{passage}") for t in GROUNDED_TASKS]
+        head, tail = next((h, t) for h, t in templates if sample.prompt.startswith(h) and sample.prompt.endswith(t))
+        passage_len = len(encode(tokenizer, sample.prompt[len(head) : len(sample.prompt) - len(tail)]))
+        assert abs(passage_len - 96) <= 4
+        assert sample.output_len == passage_len + 16
+    fixed = RequestSource("grounded", factory, seed=7, input_len=96, output_len_override=20).take(2)
+    assert [s.output_len for s in fixed] == [20, 20]
 
 
 def test_sharegpt_workload(tmp_path, factory):
