@@ -220,7 +220,7 @@ class Scheduler:
     def _propose(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request, within the budget, ``max_tokens`` and the context."""
         params = request.sampling_params
-        if request.num_samples_to_fork > 1 or params.structured_outputs is not None:
+        if request.num_samples_to_fork > 1:
             return []
         if request.spec_skip_steps:
             request.spec_skip_steps -= 1

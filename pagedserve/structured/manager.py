@@ -4,7 +4,9 @@ It owns the grammar compiler for the model's vocabulary (built in a background t
 starts), compiles each constrained request's spec on that thread while the step loop goes on (the
 request waits, others step), and keeps one xgrammar matcher per constrained sample: each step it fills
 the allowed-token bitmask of the constrained rows only, applies it to their logits before sampling,
-and advances the matchers with the sampled tokens. Unconstrained rows are never touched.
+and advances the matchers with the sampled tokens. A request verifying draft tokens has one row per
+draft position: its matcher walks through the drafts to fill them, and is stepped back before the
+accepted tokens advance it. Unconstrained rows are never touched.
 """
 
 from __future__ import annotations
@@ -112,21 +114,26 @@ class StructuredOutputManager:
         if not self._grammars:  # no constrained request in flight: nothing to look at
             return None
         constrained: list[tuple[int, Any]] = []
-        # rows whose grammar has ended (only reachable with ignore_eos): stop tokens only, so nothing
-        # follows the complete output
+        # rows whose grammar has ended (only reachable with ignore_eos, or after a stop token among the
+        # drafts): stop tokens only, so nothing follows the complete output
         ended: list[tuple[int, tuple[int, ...]]] = []
+        drafted: list[tuple[int, Any, list[int], tuple[int, ...]]] = []  # (first row, matcher, drafts, stops)
         num_rows = 0
         for item in sched.scheduled:
             request = item.request
             if item.num_samples and request.sampling_params.structured_outputs is not None:
-                for s in range(item.num_samples):
-                    matcher = self._matcher(request.request_id, request.index + s, request.eos_token_ids)
-                    if not matcher.is_terminated():
-                        constrained.append((num_rows + s, matcher))
-                    elif request.eos_token_ids:
-                        ended.append((num_rows + s, request.eos_token_ids))
+                if item.spec_token_ids:
+                    matcher = self._matcher(request.request_id, request.index, request.eos_token_ids)
+                    drafted.append((num_rows, matcher, item.spec_token_ids, request.eos_token_ids))
+                else:
+                    for s in range(item.num_samples):
+                        matcher = self._matcher(request.request_id, request.index + s, request.eos_token_ids)
+                        if not matcher.is_terminated():
+                            constrained.append((num_rows + s, matcher))
+                        elif request.eos_token_ids:
+                            ended.append((num_rows + s, request.eos_token_ids))
             num_rows += item.num_logit_rows
-        if not constrained and not ended:
+        if not constrained and not ended and not drafted:
             return None
         import xgrammar as xgr
 
@@ -134,6 +141,21 @@ class StructuredOutputManager:
         for row, matcher in constrained:
             matcher.fill_next_token_bitmask(bitmask, row)
         indices = [row for row, _ in constrained]
+        for first_row, matcher, drafts, stop_ids in drafted:
+            # row j is sampled after drafts[:j]: walk the matcher through the drafts, then step it back
+            walked = 0
+            for j in range(len(drafts) + 1):
+                if matcher.is_terminated():  # a stop token among the drafts completed the output
+                    if stop_ids:
+                        ended.append((first_row + j, stop_ids))
+                    break
+                matcher.fill_next_token_bitmask(bitmask, first_row + j)
+                indices.append(first_row + j)
+                if j == len(drafts) or not matcher.accept_token(drafts[j]):
+                    break  # a draft outside the grammar is masked out at its row: nothing after it is accepted
+                walked += 1
+            if walked:
+                matcher.rollback(walked)
         vocab_size = self.vocab_size
 
         def apply(logits: torch.Tensor) -> None:  # logits: [num_rows, >= vocab]
@@ -147,17 +169,22 @@ class StructuredOutputManager:
         return apply
 
     def accept(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Advance each constrained sample's matcher with the token it sampled this step."""
+        """Advance each constrained sample's matcher with the token(s) it sampled this step: one per
+        sample, or a drafting sample's accepted drafts and its next token."""
         if not self._matchers:
             return
         for item, tokens in zip(sched.scheduled, result.sampled_token_ids):
             request = item.request
             if not tokens or request.sampling_params.structured_outputs is None:
                 continue
-            for s, token in enumerate(tokens):
-                matcher = self._matchers.get((request.request_id, request.index + s))
+            if item.spec_token_ids:
+                samples = [(request.index, token) for token in tokens]
+            else:
+                samples = [(request.index + s, token) for s, token in enumerate(tokens)]
+            for index, token in samples:
+                matcher = self._matchers.get((request.request_id, index))
                 if matcher is not None and not matcher.is_terminated() and not matcher.accept_token(token):
-                    logger.debug("sample %s/%d: token %d outside its grammar", request.request_id, s, token)
+                    logger.debug("sample %s/%d: token %d outside its grammar", request.request_id, index, token)
 
     def _matcher(self, request_id: str, index: int, eos_token_ids: tuple[int, ...]) -> Any:
         matcher = self._matchers.get((request_id, index))
