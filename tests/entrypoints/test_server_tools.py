@@ -1,6 +1,6 @@
 """Tool calling on a real `pagedserve serve` (hermes parser for "auto") through the `openai` client:
 required and named choices forced through structured outputs return valid calls, streamed in
-OpenAI's delta shape too; a tool turn is accepted; bad tool choices get a 400."""
+OpenAI's delta shape too (with every token's logprobs); a tool turn is accepted; bad tool choices get a 400."""
 
 from __future__ import annotations
 
@@ -103,11 +103,19 @@ def test_streamed_calls_in_openai_delta_shape(client, choice):
         tool_choice=choice,
         max_tokens=200,
         stream=True,
+        stream_options={"include_usage": True},
+        logprobs=True,
+        top_logprobs=2,
     )
     calls: dict[int, dict] = {}
     finishes = []
+    logprobs = []
     for chunk in chunks:
+        if chunk.usage is not None:
+            completion_tokens = chunk.usage.completion_tokens
         for c in chunk.choices:
+            if c.logprobs is not None:
+                logprobs += c.logprobs.content
             for piece in c.delta.tool_calls or []:
                 if piece.index not in calls:
                     assert piece.id and piece.type == "function" and piece.function.name
@@ -119,6 +127,9 @@ def test_streamed_calls_in_openai_delta_shape(client, choice):
     assert calls
     for call in calls.values():
         jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])
+    # every generated token's logprob arrives once, text held back by the call parser included
+    assert len(logprobs) == completion_tokens > 0
+    assert all(entry.logprob <= 0 and len(entry.top_logprobs) == 2 for entry in logprobs)
 
 
 def test_tool_turn_and_auto_choice(client):

@@ -120,6 +120,8 @@ class OpenAIServingChat:
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
         streams = {index: tools.streamer() for index in range(request.n)} if tools is not None else None
+        # a tool-call stream may hold text back (a call not yet complete): its tokens' logprobs wait with it
+        pending_logprobs: dict[int, list[dict]] = {index: [] for index in range(request.n)}
         texts = self.parts.texts
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_name}
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -167,7 +169,17 @@ class OpenAIServingChat:
                         num_generated += len(completion.token_ids)
                         finish = completion.finish_reason
                         if streams is not None:
+                            if num_top is not None:
+                                pending_logprobs[completion.index] += chat_logprobs(
+                                    texts, completion.token_ids, completion.logprobs, num_top
+                                )["content"]
                             for chunk in _tool_stream_chunks(head, streams[completion.index], completion, tools):
+                                choice = chunk["choices"][0]
+                                if num_top is not None:  # held tokens' logprobs ride on their choice's next chunk
+                                    choice["logprobs"] = {"content": pending_logprobs[completion.index]}
+                                    pending_logprobs[completion.index] = []
+                                if continuous:
+                                    chunk["usage"] = usage(num_prompt_tokens, num_generated, None)
                                 yield sse(chunk)
                             continue
                         has_logprobs = num_top is not None and completion.token_ids
