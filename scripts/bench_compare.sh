@@ -30,22 +30,8 @@ KV_CACHE=${KV_CACHE:-4GiB}
 PAGED_PORT=${PAGED_PORT:-8000}
 HF_PORT=${HF_PORT:-8001}
 
-pids=()
-cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
-
-start() {  # start NAME PORT ARGS...: launch `pagedserve serve`, wait for /health
-  local name=$1 port=$2; shift 2
-  "$PY" -m pagedserve.cli serve --port "$port" "$@" > "$OUT/server-$name.log" 2>&1 &
-  pids+=($!)
-  eval "${name}_pid=$!"
-  for _ in $(seq 1 600); do
-    if curl -sf "http://127.0.0.1:$port/health" > /dev/null; then return 0; fi
-    sleep 1
-  done
-  echo "$name did not come up; see $OUT/server-$name.log" >&2
-  exit 1
-}
+START_TIMEOUT=600
+source scripts/servers.sh
 
 mkdir -p "$OUT"
 "$PY" scripts/roofline.py --json "$OUT/roofline.json" | tee "$OUT/roofline.txt"

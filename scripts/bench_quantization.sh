@@ -19,21 +19,15 @@ CONCURRENCY=${CONCURRENCY:-1,16,64}
 SCHEMES=${SCHEMES:-none gguf int4 int8}
 KV_CACHE=${KV_CACHE:-2GiB}
 
-pids=()
-cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
+START_TIMEOUT=600
+source scripts/servers.sh
+
 mkdir -p "$OUT"
 targets=()
 port=8100
 for scheme in $SCHEMES; do
-  "$PY" -m pagedserve.cli serve --port "$port" --quantization "$scheme" --kv-cache-memory "$KV_CACHE" \
-    --max-model-len 4096 > "$OUT/server-$scheme.log" 2>&1 &
-  pids+=($!)
-  targets+=(--target "$scheme=http://127.0.0.1:$port,pid=$!")
-  for _ in $(seq 1 600); do
-    if curl -sf "http://127.0.0.1:$port/health" > /dev/null; then break; fi
-    sleep 1
-  done
+  start "$scheme" "$port" --quantization "$scheme" --kv-cache-memory "$KV_CACHE" --max-model-len 4096
+  targets+=(--target "$scheme=http://127.0.0.1:$port,pid=${pids[-1]}")
   grep -h "model weights" "$OUT/server-$scheme.log" | sed "s/^/$scheme: /" || true
   port=$((port + 1))
 done

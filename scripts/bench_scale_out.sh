@@ -18,28 +18,13 @@ PY=${PY:-.venv/bin/python}
 DURATION=${DURATION:-60}
 DTYPE=${DTYPE:-bfloat16}
 
-pids=()
-cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
-
-start() {  # start NAME PORT ARGS...: launch `pagedserve serve`, wait for /health
-  local name=$1 port=$2; shift 2
-  "$PY" -m pagedserve.cli serve --port "$port" --dtype "$DTYPE" "$@" > "$OUT/server-$name.log" 2>&1 &
-  pids+=($!)
-  eval "${name//-/_}_pid=$!"
-  for _ in $(seq 1 900); do
-    if curl -sf "http://127.0.0.1:$port/health" > /dev/null; then return 0; fi
-    sleep 1
-  done
-  echo "$name did not come up; see $OUT/server-$name.log" >&2
-  exit 1
-}
+source scripts/servers.sh
 
 mkdir -p "$OUT"
 case "$MODE" in
   overhead)
-    start plain 8000 --kv-cache-memory 2GiB --max-model-len 4096
-    start ray-1 8001 --kv-cache-memory 2GiB --max-model-len 4096 --replicas 1 --cpus-per-replica "$(nproc)"
+    start plain 8000 --dtype "$DTYPE" --kv-cache-memory 2GiB --max-model-len 4096
+    start ray-1 8001 --dtype "$DTYPE" --kv-cache-memory 2GiB --max-model-len 4096 --replicas 1 --cpus-per-replica "$(nproc)"
     # shellcheck disable=SC2086
     "$PY" -m pagedserve.bench --target "plain=http://127.0.0.1:8000,pid=$plain_pid" \
       --target "ray-replicas-1=http://127.0.0.1:8001,pid=$ray_1_pid" --workload short,long --concurrency 16 \
@@ -49,7 +34,7 @@ case "$MODE" in
     port=8010
     targets=()
     for router in round-robin least-loaded prefix-affinity; do
-      start "$router" "$port" --kv-cache-memory "${KV_CACHE:-448MiB}" --max-model-len 2048 --replicas 2 \
+      start "$router" "$port" --dtype "$DTYPE" --kv-cache-memory "${KV_CACHE:-448MiB}" --max-model-len 2048 --replicas 2 \
         --cpus-per-replica 1 --request-router "$router"
       pid_var="${router//-/_}_pid"
       targets+=(--target "$router=http://127.0.0.1:$port,pid=${!pid_var}")
