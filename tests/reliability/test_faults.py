@@ -149,8 +149,8 @@ def test_a_client_that_stops_reading_stalls_no_one_and_is_aborted(faulty_clients
     server = faulty_clients
     aborts = f'pagedserve:slow_client_aborts_total{{model_name="{MODEL}"}}'
     before = metrics(server).get(aborts, 0.0)
-    # big events (20 top logprobs each) fill the socket and transport buffers within a few tokens
-    body = {"model": MODEL, "stream": True, "logprobs": True, "top_logprobs": 20, **LONG}
+    # big events (20 top logprobs each, 8 samples a step) fill the socket and transport buffers quickly
+    body = {"model": MODEL, "stream": True, "logprobs": True, "top_logprobs": 20, "n": 8, **LONG}
     body["messages"] = [{"role": "user", "content": "Write a long essay."}]
     slow = slow_reader_socket(server.host, server.port)
     try:

@@ -18,13 +18,13 @@ def test_fuzz_every_route_with_and_without_the_key():
         before = reference_answer(server)
         # the coverage phase (thousands of boundary cases, minutes) runs in `make fuzz`
         keyed = run_schemathesis(
-            server, api_key=API_KEY, max_examples=20, max_time=None, seed=7, phases="fuzzing,stateful"
+            server, api_key=API_KEY, max_examples=10, max_time=None, seed=7, phases="fuzzing,stateful"
         )
         assert keyed.returncode == 0, keyed.output[-8000:]
         anonymous = run_schemathesis(server, api_key=None, max_examples=5, max_time=None, seed=7, phases="fuzzing")
         assert anonymous.returncode == 0, anonymous.output[-8000:]
         assert anonymous.cases >= 50, anonymous.summary
-        assert keyed.cases >= 300, keyed.summary
+        assert keyed.cases >= 150, keyed.summary
         assert engine_state(server) == {"running": 0, "waiting": 0, "kv_usage": 0.0}
         assert reference_answer(server) == before
         assert server.get("/health").status_code == 200
