@@ -72,7 +72,12 @@ SPECS: list[tuple[str, str, Any, str]] = [
         "json",
         (ORDER, COMPACT),
         json.dumps(
-            {"id": "AB-1234", "customer": ADA, "lines": [{"sku": "pen", "qty": 2}, {"sku": "ink", "qty": 1}], "paid": True},
+            {
+                "id": "AB-1234",
+                "customer": ADA,
+                "lines": [{"sku": "pen", "qty": 2}, {"sku": "ink", "qty": 1}],
+                "paid": True,
+            },
             separators=COMPACT,
         ),
     ),
@@ -195,9 +200,7 @@ def measure(backend: Any, tokenizer: Any, repeat: int) -> list[Row]:
                 ok = backend.advance(matcher, token)
                 advance_s.append(time.perf_counter() - start)
                 accepted = accepted and bool(ok)
-        rows.append(
-            Row(backend.name, name, min(compile_s) * 1e3, median_us(fill_s), median_us(advance_s), accepted)
-        )
+        rows.append(Row(backend.name, name, min(compile_s) * 1e3, median_us(fill_s), median_us(advance_s), accepted))
     return rows
 
 
