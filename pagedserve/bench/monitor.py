@@ -1,9 +1,12 @@
-"""Server-side resource sampling during a benchmark: resident memory and KV-cache usage.
+"""Server-side resource sampling during a benchmark: resident memory, KV-cache usage and the prefix
+cache's hit rate.
 
 Memory comes from ``psutil`` (the server's pid plus all its children) when a pid is given,
 else from the ``process_resident_memory_bytes`` gauge of the server's Prometheus ``/metrics``.
 KV usage comes from ``pagedserve:kv_cache_usage_perc`` (or vLLM's gauges) when exposed, and the
-cache's shape (block size, block count) from ``cache_config_info``. Efficiency is average / peak
+cache's shape (block size, block count) from ``cache_config_info``; the prefix-cache hit rate is the
+growth of the hit counter over that of the query counter (tokens, summed over every replica's
+series) between the first and the last sample. Efficiency is average / peak
 over the measured phase, as vLLM / TGI serving comparisons report it. Each sample's time is kept,
 so that the KV the requests needed at those instants can be rebuilt afterwards (``kv_demand``).
 """
@@ -20,6 +23,11 @@ import httpx
 RSS_METRICS = ("process_resident_memory_bytes",)
 KV_METRICS = ("pagedserve:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 CACHE_CONFIG_METRICS = ("pagedserve:cache_config_info", "vllm:cache_config_info")
+# (queries, hits) counters in tokens, pagedserve's and vLLM's names
+PREFIX_CACHE_METRICS = (
+    ("pagedserve:prefix_cache_queries_total", "pagedserve:prefix_cache_hits_total"),
+    ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
+)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -41,6 +49,24 @@ def parse_prometheus(text: str, names: tuple[str, ...]) -> dict[str, float]:
             continue
         values[name] = max(value, values.get(name, value))
     return values
+
+
+def prefix_cache_counters(text: str) -> tuple[float, float] | None:
+    """``(queries, hits)`` of the prefix cache in tokens, each summed over its labelled series, if exposed."""
+    for queries_name, hits_name in PREFIX_CACHE_METRICS:
+        totals = {queries_name: 0.0, hits_name: 0.0}
+        seen = False
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in totals:
+                try:
+                    totals[name] += float(line.rsplit(" ", 1)[1])
+                    seen = True
+                except (IndexError, ValueError):
+                    continue
+        if seen:
+            return totals[queries_name], totals[hits_name]
+    return None
 
 
 def parse_cache_config(text: str) -> dict[str, int] | None:
@@ -88,6 +114,7 @@ class MemoryStats:
     avg_kv_usage: float | None
     kv_efficiency: float | None
     num_memory_samples: int
+    prefix_cache_hit_rate: float | None = None  # hit / queried prompt tokens over the measured phase, 0..1
 
 
 class ServerMonitor:
@@ -105,6 +132,7 @@ class ServerMonitor:
         self.sample_times: list[float] = []  # perf_counter of every sample
         self.kv_times: list[float] = []  # perf_counter of the samples in ``kv``
         self.cache_config: dict[str, int] | None = None
+        self.prefix_counters: list[tuple[float, float]] = []  # (queries, hits) at each sample that had them
         self.rss_source: str | None = None
         self._metrics_ok = metrics_url is not None
         self._task: asyncio.Task[None] | None = None
@@ -137,6 +165,9 @@ class ServerMonitor:
                 break
         if self.cache_config is None:
             self.cache_config = parse_cache_config(response.text)
+        counters = prefix_cache_counters(response.text)
+        if counters is not None:
+            self.prefix_counters.append(counters)
 
     async def _run(self, delay: float) -> None:
         if delay > 0:
@@ -176,4 +207,12 @@ class ServerMonitor:
             avg_kv_usage=avg_kv,
             kv_efficiency=avg_kv / peak_kv if peak_kv else None,
             num_memory_samples=len(self.rss),
+            prefix_cache_hit_rate=self._prefix_hit_rate(),
         )
+
+    def _prefix_hit_rate(self) -> float | None:
+        if len(self.prefix_counters) < 2:
+            return None
+        (queries_0, hits_0), (queries_1, hits_1) = self.prefix_counters[0], self.prefix_counters[-1]
+        queried = queries_1 - queries_0
+        return (hits_1 - hits_0) / queried if queried > 0 else None

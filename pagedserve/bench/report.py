@@ -249,6 +249,7 @@ _RESULT_HEADERS = [
     "mem eff",
     "KV eff",
     "need eff",
+    "prefix hit",
     "goodput",
     "$/1k tok",
 ]
@@ -280,6 +281,7 @@ def result_rows(records: list[PointRecord]) -> list[list[str]]:
                 _pct(r.memory.memory_efficiency),
                 _pct(r.memory.kv_efficiency),
                 _pct(r.kv_demand.kv_demand_efficiency),
+                _pct(r.memory.prefix_cache_hit_rate),
                 _fmt(m.goodput, 2),
                 _fmt(r.cost_per_1k_output_tokens, 5),
             ]

@@ -19,7 +19,7 @@ from pagedserve.bench import cli
 from pagedserve.bench.datasets import GROUNDED_TASKS, WORKLOADS, PromptFactory, RequestSource, encode
 from pagedserve.bench.kv_demand import demand_tokens, kv_demand_summary, reserved_tokens
 from pagedserve.bench.metrics import parse_slo, stats_ms, summarize, tokens_streamed_after
-from pagedserve.bench.monitor import parse_cache_config, parse_prometheus
+from pagedserve.bench.monitor import ServerMonitor, parse_cache_config, parse_prometheus, prefix_cache_counters
 from pagedserve.bench.report import build_summary, summary_json, terminal_report, write_outputs
 from pagedserve.bench.request_funcs import (
     RequestFuncInput,
@@ -51,6 +51,7 @@ SUMMARY_FIELDS = (
     "peak_kv_usage",
     "avg_kv_usage",
     "kv_efficiency",
+    "prefix_cache_hit_rate",
     "cost_per_1k_output_tokens",
     "failures",
     "goodput",
@@ -294,6 +295,28 @@ def test_parse_prometheus():
     assert values == {"process_resident_memory_bytes": 1.2e9, "pagedserve:kv_cache_usage_perc": 0.5}
 
 
+def test_prefix_cache_counters_sum_every_series_and_give_the_phase_hit_rate():
+    ours = (
+        "# HELP pagedserve:prefix_cache_queries_total Prefix cache queries\n"
+        'pagedserve:prefix_cache_queries_total{model_name="m",replica="0"} 100.0\n'
+        'pagedserve:prefix_cache_queries_total{model_name="m",replica="1"} 50.0\n'
+        'pagedserve:prefix_cache_hits_total{model_name="m",replica="0"} 30.0\n'
+        'pagedserve:prefix_cache_hits_total{model_name="m",replica="1"} 0.0\n'
+    )
+    assert prefix_cache_counters(ours) == (150.0, 30.0)
+    vllm = (
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 8.0\nvllm:prefix_cache_hits_total{engine="0"} 2.0\n'
+    )
+    assert prefix_cache_counters(vllm) == (8.0, 2.0)
+    assert prefix_cache_counters("pagedserve:kv_cache_usage_perc 0.5\n") is None
+    monitor = ServerMonitor(None, None, None)  # type: ignore[arg-type]
+    assert monitor.summary().prefix_cache_hit_rate is None  # no counters seen
+    monitor.prefix_counters = [(150.0, 30.0), (250.0, 30.0), (350.0, 110.0)]
+    assert monitor.summary().prefix_cache_hit_rate == pytest.approx(80 / 200)  # first to last sample
+    monitor.prefix_counters = [(150.0, 30.0), (150.0, 30.0)]
+    assert monitor.summary().prefix_cache_hit_rate is None  # nothing queried in the phase
+
+
 def test_parse_cache_config():
     vllm = (
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
@@ -525,7 +548,7 @@ def test_sweep_summary_report_and_plots(tmp_path, factory):
         "num_requests",
         "completed",
     ]
-    assert keys[-18:-8] == [
+    assert keys[-19:-8] == [
         "peak_rss_bytes",
         "avg_rss_bytes",
         "memory_efficiency",
@@ -534,6 +557,7 @@ def test_sweep_summary_report_and_plots(tmp_path, factory):
         "avg_kv_usage",
         "kv_efficiency",
         "num_memory_samples",
+        "prefix_cache_hit_rate",
         "price_per_hour",
         "cost_per_1k_output_tokens",
     ]
@@ -648,6 +672,7 @@ def test_bench_against_server_fields_tokens_failures_report(bench_server, tmp_pa
         assert record["peak_rss_bytes"] > 100 * 2**20 and record["rss_source"].startswith("psutil")
         assert 0 < record["memory_efficiency"] <= 1
         assert record["peak_kv_usage"] is not None and 0 <= record["avg_kv_usage"] <= record["peak_kv_usage"] <= 1
+        assert 0 <= record["prefix_cache_hit_rate"] <= 1  # from the server's counters, not None
         assert record["goodput"] == pytest.approx(record["request_throughput"])
         assert record["cost_per_1k_output_tokens"] == pytest.approx(1.5 * record["duration_s"] / 3600 / 0.048)
         for request in _requests(tmp_path, "paged", "short", point):
