@@ -113,7 +113,7 @@ class RouterCounters:
 
     def record_routed(self, request: EngineCoreRequest, replica_id: str, live: set[str]) -> None:
         self.requests[replica_id] = self.requests.get(replica_id, 0) + 1
-        hashes = prefix_chunk_hashes(request.prompt_token_ids)
+        hashes = prefix_chunk_hashes(request.prompt_token_ids, cache_salt=request.cache_salt)
         if hashes:
             owner, matched = self._index.match(hashes, live | {replica_id})
             if owner is not None and matched:

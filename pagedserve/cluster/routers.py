@@ -149,8 +149,9 @@ class PrefixAffinityRouter(_LoadAwareRouter):
         cached = self._hashes.get(key)
         if cached is not None:
             return cached
-        token_ids = getattr(pending_request.args[0], "prompt_token_ids", None)
-        hashes = prefix_chunk_hashes(token_ids) if token_ids else []
+        request = pending_request.args[0]
+        token_ids = getattr(request, "prompt_token_ids", None)
+        hashes = prefix_chunk_hashes(token_ids, cache_salt=getattr(request, "cache_salt", None)) if token_ids else []
         if remember:
             if len(self._hashes) >= MAX_RESERVATIONS:
                 self._hashes.clear()

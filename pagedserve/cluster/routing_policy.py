@@ -32,10 +32,14 @@ def least_loaded_ranks(loads: Sequence[ReplicaLoad]) -> list[list[Hashable]]:
     return [[load.replica_id] for load in roomy + full]
 
 
-def prefix_chunk_hashes(token_ids: Sequence[int], chunk: int = PREFIX_CHUNK_TOKENS) -> list[int]:
-    """Chained hashes of the prompt's whole leading chunks: entry i covers tokens [0, (i + 1) * chunk)."""
+def prefix_chunk_hashes(
+    token_ids: Sequence[int], chunk: int = PREFIX_CHUNK_TOKENS, cache_salt: str | None = None
+) -> list[int]:
+    """Chained hashes of the prompt's whole leading chunks: entry i covers tokens [0, (i + 1) * chunk).
+    A ``cache_salt`` starts the chain, as it enters the first block's hash in the engine: requests of
+    different salts share no prefix-cache block, so they never match each other here either."""
     hashes: list[int] = []
-    parent = 0
+    parent = hash(("cache_salt", cache_salt)) if cache_salt else 0
     limit = min(len(token_ids) // chunk, MAX_PREFIX_CHUNKS)
     for i in range(limit):
         parent = hash((parent, tuple(token_ids[i * chunk : (i + 1) * chunk])))

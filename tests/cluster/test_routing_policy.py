@@ -45,6 +45,17 @@ def test_prefix_hashes_are_chained_whole_chunks() -> None:
     assert prefix_chunk_hashes(tokens[: PREFIX_CHUNK_TOKENS - 1]) == []
 
 
+def test_a_cache_salt_starts_its_own_chain() -> None:
+    tokens = family(2, 2 * PREFIX_CHUNK_TOKENS)
+    plain = prefix_chunk_hashes(tokens)
+    tenant_a = prefix_chunk_hashes(tokens, cache_salt="tenant-a")
+    assert len(tenant_a) == len(plain) == 2
+    assert not set(tenant_a) & set(plain)  # no affinity across salts: the engine shares no block across them
+    assert not set(tenant_a) & set(prefix_chunk_hashes(tokens, cache_salt="tenant-b"))
+    assert prefix_chunk_hashes(tokens, cache_salt="tenant-a") == tenant_a
+    assert prefix_chunk_hashes(tokens, cache_salt="") == plain  # an empty salt is no salt
+
+
 def test_index_matches_the_longest_recorded_prefix_on_a_live_replica() -> None:
     index = PrefixAffinityIndex()
     shared = family(2, 4 * PREFIX_CHUNK_TOKENS)
@@ -91,6 +102,9 @@ def test_router_counters_count_affinity_hits_per_family() -> None:
     counters.record_routed(request(family(7) + [3]), "b", {"a", "b"})  # another replica: a miss
     assert (counters.prefix_queries, counters.prefix_hits) == (2, 1)
     assert counters.requests == {"a": 2, "b": 1}
+    salted = EngineCoreRequest("s", family(7) + [4], params, 0.0, cache_salt="tenant")
+    counters.record_routed(salted, "a", {"a", "b"})  # its salt's first: no query, though the tokens match
+    assert (counters.prefix_queries, counters.prefix_hits) == (2, 1)
 
 
 def test_merge_stats_sums_counts_and_weights_kv_usage_by_blocks() -> None:
