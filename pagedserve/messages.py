@@ -95,6 +95,8 @@ class ModelInfo:
     num_kv_blocks: int = 0  # 0 for engines without a paged cache
     block_size: int = 0
     engine_name: str = "paged"  # "paged" | "hf"
+    num_threads: int = 0  # torch intra-op threads of the engine (0: not reported)
+    threads_reason: str = ""  # where that count comes from (host_resources.CpuBudget.reason)
 
 
 @dataclass(slots=True)

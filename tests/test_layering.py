@@ -2,7 +2,7 @@
 
 Layers, bottom to top; a module may import modules of its own layer or lower ones:
 
-  0 leaves       pagedserve.config, .sampling_params, .outputs, .messages, .gc_heap
+  0 leaves       pagedserve.config, .sampling_params, .outputs, .messages, .gc_heap, .host_resources
   1 kernels      pagedserve.kernels (the C++ sources and their build)
   2 models       pagedserve.models (attention included)
   3 core, worker pagedserve.core (scheduler, KV cache manager) and pagedserve.worker (model runner, sampler)
@@ -46,6 +46,7 @@ LAYERS: dict[str, int] = {  # a module (or package, with everything under it) ->
     "pagedserve.outputs": LEAVES,
     "pagedserve.messages": LEAVES,
     "pagedserve.gc_heap": LEAVES,
+    "pagedserve.host_resources": LEAVES,
     "pagedserve.kernels": 1,
     "pagedserve.models": 2,
     "pagedserve.core": 3,

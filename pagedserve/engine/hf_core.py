@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.host_resources import thread_budget
 from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
 from pagedserve.outputs import FinishReason, TokenLogprob
 from pagedserve.sampling_params import SamplingParams
@@ -106,8 +107,8 @@ class HFEngine:
     """
 
     def __init__(self, config: EngineConfig, model: Any = None, eos_token_ids: tuple[int, ...] | None = None) -> None:
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        threads = thread_budget(config.num_threads)
+        torch.set_num_threads(threads.count)
         self.config = config
         device = config.device
         if device == "auto":
@@ -139,6 +140,8 @@ class HFEngine:
             dtype=str(model.dtype).removeprefix("torch."),
             generation_config=generation_config,
             engine_name="hf",
+            num_threads=threads.count,
+            threads_reason=threads.reason,
         )
         self._queue: collections.deque[EngineCoreRequest] = collections.deque()
         self._live: set[str] = set()

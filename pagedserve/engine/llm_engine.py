@@ -17,6 +17,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.request import Request
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.host_resources import thread_budget
 from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
 from pagedserve.models.loader import LoadedModel, load_model
 from pagedserve.outputs import FinishReason
@@ -40,8 +41,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        threads = thread_budget(config.num_threads)
+        torch.set_num_threads(threads.count)
         self.device = resolve_device(config.device)
         loaded = loaded or load_model(config.model, self.device)
         cache = config.cache
@@ -95,6 +96,8 @@ class LLMEngine:
             num_kv_blocks=num_blocks - 1,
             block_size=block_size,
             engine_name="paged",
+            num_threads=threads.count,
+            threads_reason=threads.reason,
         )
         self.dtype = loaded.dtype
         # grammar compiler (the tokenizer's vocabulary) built on its own thread; requests with structured

@@ -142,7 +142,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     engine.add_argument("--device", default="auto")
-    engine.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    engine.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: the CPUs of the affinity mask, capped by the cgroup CPU quota)",
+    )
     engine.add_argument("--max-logprobs", type=int, default=20)
     engine.add_argument(
         "--speculative-config",

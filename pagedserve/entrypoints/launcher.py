@@ -221,7 +221,8 @@ def _print_banner(url: str, info: ModelInfo, names: tuple[str, ...], config: Ser
     lines = [
         f"pagedserve {__version__} serving {served} ({info.engine_name} engine) on {url}",
         f"  OpenAI API: {url}/v1   TGI API: {url}/generate   docs: {url}/docs   metrics: {url}/metrics",
-        f"  context: {info.max_model_len} tokens   KV cache: {kv}",
+        f"  context: {info.max_model_len} tokens   KV cache: {kv}"
+        + (f"   threads: {info.num_threads} ({info.threads_reason})" if info.num_threads else ""),
         f"  API key: {'required' if config.http.api_keys else 'none'}   "
         f"admin API: {'on' if config.admin_key else 'off'}   "
         f"engines: {'Ray' if config.cluster is not None else 'local'}   model loaded in {load_s:.1f} s",
