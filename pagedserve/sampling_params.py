@@ -73,6 +73,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (grammar-masked logits)
+    # locally typical sampling (TGI's typical_p): keep the tokens whose surprisal is closest to the
+    # distribution's entropy until this much mass is kept; 1.0 = off; applied after top-k and top-p
+    typical_p: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +90,8 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         _check_int("top_k", self.top_k, -1, None)
+        if not 0.0 < self.typical_p <= 1.0:
+            raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p}.")
         _check_float("min_p", self.min_p, 0.0, 1.0)
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)

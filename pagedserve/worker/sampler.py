@@ -230,6 +230,7 @@ def _top_k_top_p_min_p(
     ``[rows, 1]`` is the log of the mass the nucleus is measured against.
     """
     vocab = logits.shape[-1]
+    typical_p = [p.typical_p for p in params]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
@@ -250,6 +251,8 @@ def _top_k_top_p_min_p(
         mask[:, 0] = False  # always keep the best token
         sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+    if any(t < 1.0 for t in typical_p):
+        logits = _typical(logits, typical_p)
     if any(m > 0.0 for m in min_p):
         probs = torch.softmax(logits, dim=-1)
         threshold = (
@@ -257,6 +260,29 @@ def _top_k_top_p_min_p(
             * probs.max(dim=-1, keepdim=True).values
         )
         logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def _typical(logits: torch.Tensor, typical_p: list[float]) -> torch.Tensor:
+    """Locally typical sampling on logits ``[rows, n]`` (-inf already masked out): in each row with
+    ``typical_p < 1``, keep the tokens whose surprisal is closest to the row's entropy until their
+    probability reaches ``typical_p`` (the best such token always; ties at the cut kept), as
+    Transformers' and TGI's typical warper does; other rows pass unchanged."""
+    rows = [k for k, t in enumerate(typical_p) if t < 1.0]
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    sub = logits.index_select(0, index)  # [r, n]
+    log_probs = torch.log_softmax(sub.float(), dim=-1)
+    probs = log_probs.exp()
+    entropy = -torch.nan_to_num(log_probs * probs).sum(dim=-1, keepdim=True)  # [r, 1]; masked tokens add 0
+    distance = (-log_probs - entropy).abs()  # masked tokens: +inf, sorted last
+    sorted_distance, order = distance.sort(dim=-1)
+    cumulative = probs.gather(1, order).cumsum(dim=-1)
+    mass = torch.tensor([typical_p[k] for k in rows], dtype=cumulative.dtype, device=logits.device).unsqueeze(1)
+    last = (cumulative < mass).sum(dim=-1, keepdim=True).clamp_(max=sub.shape[-1] - 1)  # [r, 1]
+    cut = sorted_distance.gather(1, last)
+    drop = distance > cut
+    logits = logits.clone()
+    logits[index] = sub.masked_fill(drop, float("-inf"))
     return logits
 
 

@@ -59,6 +59,10 @@ def test_decoder_input_details_top_tokens_and_sampling(tgi, tokenizer):
     sampled = tgi.generate(PROMPT, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=42)
     again = tgi.generate(PROMPT, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=42)
     assert sampled.generated_text == again.generated_text and sampled.details.seed == 42
+    # typical_p (LangChain's HuggingFaceEndpoint sends 0.95): sampling, reproducible with its seed
+    typical = tgi.generate(PROMPT, max_new_tokens=6, typical_p=0.95, seed=7)
+    assert typical.generated_text == tgi.generate(PROMPT, max_new_tokens=6, typical_p=0.95, seed=7).generated_text
+    assert typical.details.seed == 7 and typical.details.generated_tokens == 6
     best = tgi.generate(PROMPT, max_new_tokens=6, do_sample=True, best_of=2)
     assert len(best.details.best_of_sequences) == 1
 
@@ -89,6 +93,7 @@ def test_raw_stream_has_no_done_marker(server):
     [
         ({"temperature": 0.0}, "`temperature` must be strictly positive"),
         ({"top_p": 1.0}, "`top_p` must be > 0.0 and < 1.0"),
+        ({"typical_p": 1.0}, "`typical_p` must be > 0.0 and < 1.0"),
         ({"top_k": 0}, "`top_k` must be strictly positive"),
         ({"max_new_tokens": 100_000}, "`inputs` tokens + `max_new_tokens` must be <="),
         ({"stop_sequences": ["a", "b", "c", "d", "e"]}, "`stop` supports up to 4 stop sequences"),

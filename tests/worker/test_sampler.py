@@ -1,5 +1,6 @@
 """Sampler: the candidate fast path for top-k / top-p gives the same distribution as the full sort;
-the greedy fast path (and its C++ argmax) picks what torch.max picks."""
+typical_p keeps the set Transformers' typical warper keeps; the greedy fast path (and its C++ argmax)
+picks what torch.max picks."""
 
 from __future__ import annotations
 
@@ -39,6 +40,39 @@ def test_candidate_path_matches_the_full_distribution():
         seen = empirical(sampler, logits, params)
         assert seen[target == 0].sum() == 0, params  # nothing outside the allowed set
         assert (seen - target).abs().max() < 0.05, params
+
+
+def test_typical_p_keeps_what_transformers_keeps():
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    torch.manual_seed(3)
+    logits = torch.randn(4, VOCAB) * torch.tensor([[0.5], [2.0], [4.0], [8.0]])  # flat to peaked rows
+    logits[0, :100] = float("-inf")  # already masked tokens stay out and do not count
+    for mass in (0.2, 0.5, 0.9, 0.99):
+        ours = _top_k_top_p_min_p(logits.clone(), [SamplingParams(typical_p=mass)] * 4)
+        theirs = TypicalLogitsWarper(mass)(None, logits.clone())
+        assert torch.equal(torch.isinf(ours), torch.isinf(theirs)), mass
+        assert (~torch.isinf(ours)).sum(dim=-1).min() >= 1
+    # only the rows that ask for it are filtered, and after top-p: within the nucleus
+    mixed = _top_k_top_p_min_p(logits.clone(), [SamplingParams(typical_p=0.5, top_p=0.8), SamplingParams()] * 2)
+    plain = _top_k_top_p_min_p(logits.clone(), [SamplingParams(top_p=0.8), SamplingParams()] * 2)
+    assert torch.equal(mixed[1], plain[1]) and torch.equal(mixed[3], plain[3])
+    assert torch.isinf(mixed[0]).sum() > torch.isinf(plain[0]).sum()
+    nucleus = _top_k_top_p_min_p(logits[:1].clone(), [SamplingParams(top_p=0.8)])
+    assert not (torch.isinf(nucleus[0]) & ~torch.isinf(mixed[0])).any()
+    with pytest.raises(ValueError, match="typical_p"):
+        SamplingParams(typical_p=0.0)
+
+
+def test_typical_p_draws_from_the_typical_set():
+    sampler = Sampler(VOCAB, torch.Generator().manual_seed(2))
+    torch.manual_seed(4)
+    logits = torch.randn(1, VOCAB) * 4
+    params = {"temperature": 1.0, "typical_p": 0.6}
+    target = expected(logits, params)
+    seen = empirical(sampler, logits, params)
+    assert seen[target == 0].sum() == 0 and (target == 0).any()  # a strict subset, nothing outside it
+    assert (seen - target).abs().max() < 0.05
 
 
 def test_flat_distribution_falls_back_to_the_full_sort():

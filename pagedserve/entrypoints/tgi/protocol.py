@@ -34,7 +34,7 @@ class GenerateParameters(BaseModel):
     frequency_penalty: float | None = _doc(None, minimum=-2, maximum=2)
     top_k: int | None = _doc(None, minimum=1)
     top_p: float | None = _doc(None, exclusiveMinimum=0, exclusiveMaximum=1)
-    typical_p: float | None = _doc(None, const=None, description="Not supported: only null.")
+    typical_p: float | None = _doc(None, exclusiveMinimum=0, exclusiveMaximum=1)
     do_sample: bool = False
     max_new_tokens: int | None = _doc(None, minimum=1)
     return_full_text: bool | None = None

@@ -79,6 +79,7 @@ class TGIPlanner:
                 temperature=(p.temperature if p.temperature is not None else 1.0) if sampling else 0.0,
                 top_k=p.top_k or 0,
                 top_p=p.top_p if p.top_p is not None else 1.0,
+                typical_p=p.typical_p if p.typical_p is not None else 1.0,
                 repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
                 frequency_penalty=p.frequency_penalty or 0.0,
                 seed=seed if best_of == 1 else None,
@@ -148,7 +149,7 @@ def check_parameters(p: GenerateParameters, stream: bool) -> int:
             "`frequency_penalty` must be >= -2.0 and <= 2.0",
         ),
         (p.top_p is not None and not 0.0 < p.top_p < 1.0, "`top_p` must be > 0.0 and < 1.0"),
-        (p.typical_p is not None, "`typical_p` is not supported by this server"),
+        (p.typical_p is not None and not 0.0 < p.typical_p < 1.0, "`typical_p` must be > 0.0 and < 1.0"),
         (p.top_k is not None and p.top_k <= 0, "`top_k` must be strictly positive"),
         (p.max_new_tokens is not None and p.max_new_tokens <= 0, "`max_new_tokens` must be strictly positive"),
         (
