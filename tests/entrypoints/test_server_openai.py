@@ -130,6 +130,9 @@ def test_n3_chat_one_finish_reason_each(client):
     assert sorted(texts) == [0, 1, 2]
     assert all(len(finishes[i]) == 1 for i in range(3))
     assert roles == {0: ["assistant"], 1: ["assistant"], 2: ["assistant"]}
+    # n: null is n: 1, as OpenAI's API takes it (clients that serialise unset fields send it)
+    nulled = client.chat.completions.create(**{**kwargs, "n": None})
+    assert [c.index for c in nulled.choices] == [0]
 
 
 def test_stop_string_across_tokens_never_leaks(client, tokenizer):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedserve.entrypoints.serving.request_limits import (
     MAX_CACHE_SALT_CHARS,
@@ -75,8 +75,13 @@ class StreamOptions(OpenAIBaseModel):
 class SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 
+    @field_validator("n", mode="after")
+    @classmethod
+    def _null_n_is_one(cls, n: int | None) -> int:
+        return 1 if n is None else n
+
     model: str | None = None
-    n: int = documented(1, minimum=1, maximum=MAX_N)
+    n: int | None = documented(1, minimum=1, maximum=MAX_N, description="null: 1, as OpenAI's API")
     best_of: int | None = documented(None, minimum=1, maximum=1, description="Only 1; use n instead.")
     temperature: float | None = documented(None, minimum=0)
     top_p: float | None = documented(None, exclusiveMinimum=0, maximum=1)
