@@ -14,8 +14,10 @@ so that the KV the requests needed at those instants can be rebuilt afterwards (
 from __future__ import annotations
 
 import asyncio
+import operator
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -31,8 +33,11 @@ PREFIX_CACHE_METRICS = (
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
-def parse_prometheus(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """The largest sample value of each wanted metric name (labels ignored) in Prometheus text format."""
+def parse_prometheus(
+    text: str, names: tuple[str, ...], combine: Callable[[float, float], float] = max
+) -> dict[str, float]:
+    """Each wanted metric name's sample values (labels ignored) in Prometheus text format, combined across
+    its series: the largest by default, ``operator.add`` for their sum."""
     values: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
@@ -47,25 +52,16 @@ def parse_prometheus(text: str, names: tuple[str, ...]) -> dict[str, float]:
             value = float(rest.split()[0])
         except (IndexError, ValueError):
             continue
-        values[name] = max(value, values.get(name, value))
+        values[name] = combine(values[name], value) if name in values else value
     return values
 
 
 def prefix_cache_counters(text: str) -> tuple[float, float] | None:
     """``(queries, hits)`` of the prefix cache in tokens, each summed over its labelled series, if exposed."""
     for queries_name, hits_name in PREFIX_CACHE_METRICS:
-        totals = {queries_name: 0.0, hits_name: 0.0}
-        seen = False
-        for line in text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in totals:
-                try:
-                    totals[name] += float(line.rsplit(" ", 1)[1])
-                    seen = True
-                except (IndexError, ValueError):
-                    continue
-        if seen:
-            return totals[queries_name], totals[hits_name]
+        totals = parse_prometheus(text, (queries_name, hits_name), combine=operator.add)
+        if totals:
+            return totals.get(queries_name, 0.0), totals.get(hits_name, 0.0)
     return None
 
 
