@@ -67,27 +67,43 @@ DEFAULT_BLOCK_SIZE_CPU = 128
 DEFAULT_BLOCK_SIZE_ACCELERATOR = 16
 
 
+DEFAULT_MEMORY_UTILIZATION_CPU = 0.5
+DEFAULT_MEMORY_UTILIZATION_ACCELERATOR = 0.9
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """Paged KV cache: block size, total bytes, prefix caching.
+    """Paged KV cache: block size, size in bytes, prefix caching.
 
     ``block_size=None`` picks the device's default (``resolved_block_size``): 128 tokens on CPUs,
     as vLLM's CPU backend does (long runs of contiguous K/V keep the hardware prefetcher
     streaming, so decode attention at long contexts is faster than with 16; see
     docs/design/cpu-performance.md), 16 elsewhere.
     Prefix caching shares whole blocks only, so larger blocks share less of short prefixes.
+
+    ``kv_cache_memory=None`` sizes the cache from the memory the engine may use
+    (``engine/kv_cache_sizing.py``): ``memory_utilization`` of the machine's RAM or cgroup limit on CPUs
+    (0.5 by default), of the device's memory on accelerators (0.9, as vLLM's ``gpu_memory_utilization``),
+    for weights, activations and KV together, split evenly between the ``memory_shared_by`` engines
+    that one server starts on the machine.
     """
 
     block_size: int | None = None
-    kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers together
+    kv_cache_memory: int | None = None  # bytes for K and V of all layers together; None: from memory_utilization
+    memory_utilization: float | None = None  # None: the device's default
+    memory_shared_by: int = 1  # engines (models x replicas) one server starts that split memory_utilization
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = None  # tests: force a tiny cache
 
     def __post_init__(self) -> None:
         if self.block_size is not None and (self.block_size <= 0 or self.block_size & (self.block_size - 1)):
             raise ValueError("block_size must be a positive power of two")
-        if self.kv_cache_memory <= 0:
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive")
+        if self.memory_utilization is not None and not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError("memory_utilization must be > 0 and <= 1")
+        if self.memory_shared_by < 1:
+            raise ValueError("memory_shared_by must be at least 1")
         if self.num_blocks_override is not None and self.num_blocks_override < 2:
             raise ValueError("num_blocks_override must be at least 2")
 
@@ -96,6 +112,12 @@ class CacheConfig:
         if self.block_size is not None:
             return self.block_size
         return DEFAULT_BLOCK_SIZE_CPU if device_type == "cpu" else DEFAULT_BLOCK_SIZE_ACCELERATOR
+
+    def resolved_memory_utilization(self, device_type: str) -> float:
+        """The share of memory the engine may use: the configured one, else the default for ``device_type``."""
+        if self.memory_utilization is not None:
+            return self.memory_utilization
+        return DEFAULT_MEMORY_UTILIZATION_CPU if device_type == "cpu" else DEFAULT_MEMORY_UTILIZATION_ACCELERATOR
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,6 +97,8 @@ class ModelInfo:
     engine_name: str = "paged"  # "paged" | "hf"
     num_threads: int = 0  # torch intra-op threads of the engine (0: not reported)
     threads_reason: str = ""  # where that count comes from (host_resources.CpuBudget.reason)
+    kv_cache_bytes: int = 0  # the paged KV cache's size (0 for engines without one)
+    kv_cache_reason: str = ""  # how that size was chosen (engine.kv_cache_sizing.KVCacheSize.reason)
 
 
 @dataclass(slots=True)

@@ -62,12 +62,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+TEST_KV_CACHE = "1GiB"
+
+
 class RemoteServer:
     """``with RemoteServer(["--max-num-seqs", "8"]) as server: ...``
 
     Starts ``python -m pagedserve.cli serve <args> --host 127.0.0.1 --port <free>``, waits until
     ``/health`` answers 200, exposes ``url``, ``base_url`` (``…/v1``), ``pid`` and the log, and
     terminates the process (SIGTERM, then SIGKILL) on exit.
+
+    A server whose ``args`` do not size its KV cache gets a fixed ``TEST_KV_CACHE`` (the default,
+    a share of the machine's memory, would commit gigabytes per test server); ``size_kv_cache=False``
+    keeps the server's own default (the tests of that default).
     """
 
     def __init__(
@@ -77,8 +84,12 @@ class RemoteServer:
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
         api_key: str | None = None,
         launcher: list[str] | None = None,
+        size_kv_cache: bool = True,
     ) -> None:
         self.args = list(args or [])
+        sizing_flags = ("--kv-cache-memory", "--memory-utilization", "--gpu-memory-utilization")
+        if size_kv_cache and not any(arg.split("=")[0] in sizing_flags for arg in self.args):
+            self.args += ["--kv-cache-memory", TEST_KV_CACHE]
         # what runs `pagedserve`: by default this interpreter's `-m pagedserve.cli`
         self.launcher = list(launcher or [sys.executable, "-m", "pagedserve.cli"])
         self.port = free_port()

@@ -17,6 +17,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.request import Request
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.engine.kv_cache_sizing import KVCacheSize, activation_reserve, device_memory, kv_cache_size
 from pagedserve.host_resources import thread_budget
 from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
 from pagedserve.models.loader import LoadedModel, load_model
@@ -50,13 +51,15 @@ class LLMEngine:
         block_bytes = kv_cache_bytes_per_block(
             loaded.num_layers, block_size, loaded.num_kv_heads, loaded.head_dim, loaded.dtype
         )
-        num_blocks = cache.num_blocks_override or max(2, cache.kv_cache_memory // block_bytes)
+        kv_size = self._kv_cache_size(config, loaded)
+        num_blocks = cache.num_blocks_override or max(2, kv_size.bytes // block_bytes)
         capacity = (num_blocks - 1) * block_size
         if config.model.max_model_len is not None and capacity < config.model.max_model_len:
             raise ValueError(
                 f"The KV cache holds {capacity} tokens ({num_blocks - 1} blocks of {block_size}), fewer than one "
                 f"request of max_model_len={config.model.max_model_len} needs: give it more memory "
-                f"(--kv-cache-memory, now {cache.kv_cache_memory} bytes) or lower --max-model-len."
+                f"(--kv-cache-memory or --memory-utilization; now {kv_size.bytes} bytes: {kv_size.reason}) "
+                "or lower --max-model-len."
             )
         self.max_model_len = min(loaded.max_model_len, capacity)  # the model's own length: lowered to fit
         if self.max_model_len < loaded.max_model_len:
@@ -98,6 +101,8 @@ class LLMEngine:
             engine_name="paged",
             num_threads=threads.count,
             threads_reason=threads.reason,
+            kv_cache_bytes=num_blocks * block_bytes,
+            kv_cache_reason=kv_size.reason,
         )
         self.dtype = loaded.dtype
         # grammar compiler (the tokenizer's vocabulary) built on its own thread; requests with structured
@@ -106,11 +111,12 @@ class LLMEngine:
             functools.partial(build_compiler, config.model, loaded.vocab_size, loaded.eos_token_ids), loaded.vocab_size
         )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), dtype %s, device %s",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB: %s), dtype %s, device %s",
             num_blocks - 1,
             block_size,
             capacity,
             num_blocks * block_bytes / 2**20,
+            self.model_info.kv_cache_reason,
             loaded.dtype,
             self.device,
         )
@@ -118,6 +124,22 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         return cls(config)
+
+    def _kv_cache_size(self, config: EngineConfig, loaded: LoadedModel) -> KVCacheSize:
+        """The KV cache's bytes: configured, or sized from the memory left after the weights loaded."""
+        if config.cache.num_blocks_override is not None:
+            return KVCacheSize(0, "a fixed number of blocks")
+        hf = loaded.hf_config
+        hidden = getattr(hf, "hidden_size", 0)
+        draft_rows = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+        reserve = activation_reserve(
+            hidden,
+            getattr(hf, "intermediate_size", 4 * hidden),
+            loaded.vocab_size,
+            config.scheduler,
+            rows_per_seq=1 + draft_rows,
+        )
+        return kv_cache_size(config.cache, self.device, device_memory(self.device), reserve)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request: EngineCoreRequest) -> None:

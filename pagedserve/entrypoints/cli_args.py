@@ -55,6 +55,16 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _fraction_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction > 0 and <= 1, got {text!r}")
+    return value
+
+
 def _speculative_config_arg(text: str) -> SpeculativeConfig:
     try:
         values = json.loads(text)
@@ -134,8 +144,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     engine.add_argument(
         "--kv-cache-memory",
         type=_size_arg,
-        default=parse_size("1GiB"),
-        help="bytes for the KV cache of all layers, e.g. 2GiB (default 1GiB)",
+        default=None,
+        help="bytes for the KV cache of all layers, e.g. 2GiB (default: sized from --memory-utilization)",
+    )
+    engine.add_argument(
+        "--memory-utilization",
+        "--gpu-memory-utilization",
+        type=_fraction_arg,
+        default=None,
+        help="share of the memory (RAM or cgroup limit on CPUs, the device's on GPUs) the engines may use for "
+        "weights, activations and KV cache; the KV cache gets what is left of it (default 0.5 on CPUs, 0.9 on GPUs; "
+        "split evenly between the engines of several --model / --replicas)",
     )
     engine.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -350,13 +369,16 @@ def model_specs_from_args(args: argparse.Namespace, engine_config: EngineConfig)
     if len(set(names)) != len(names):
         raise ValueError(f"two models are served under one name ({', '.join(names)}); name them with NAME=PATH")
     replicas = replicas_from_args(args, names)
+    # the paged engines started together split --memory-utilization evenly (hf engines hold no KV cache)
+    engines = sum(replicas.get(name, 1) for name in names) if args.engine == "paged" else 1
+    cache = dataclasses.replace(engine_config.cache, memory_shared_by=engines)
     specs = []
     for name, (_, path) in zip(names, parsed):
         model = dataclasses.replace(engine_config.model, model=path, served_model_name=name)
         specs.append(
             ModelSpec(
                 name=name,
-                engine_config=dataclasses.replace(engine_config, model=model),
+                engine_config=dataclasses.replace(engine_config, model=model, cache=cache),
                 engine=args.engine,
                 replicas=replicas.get(name, 1),
             )
@@ -453,6 +475,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
+            memory_utilization=args.memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching,
         ),
         scheduler=SchedulerConfig(

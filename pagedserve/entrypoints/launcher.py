@@ -26,6 +26,7 @@ from pagedserve.entrypoints.engine_factory import EngineFactory, LocalEngineFact
 from pagedserve.entrypoints.http_protocol import http_protocol
 from pagedserve.entrypoints.server_config import ServerConfig
 from pagedserve.gc_heap import freeze_heap
+from pagedserve.host_resources import format_gib
 from pagedserve.messages import ModelInfo
 from pagedserve.tokenizer import load_tokenizer, tokenizer_path
 
@@ -213,7 +214,8 @@ def _on_ready(url: str, info: ModelInfo, names: tuple[str, ...], config: ServerC
 
 def _print_banner(url: str, info: ModelInfo, names: tuple[str, ...], config: ServerConfig, load_s: float) -> None:
     kv = (
-        f"{info.num_kv_blocks} blocks x {info.block_size} tokens = {info.num_kv_blocks * info.block_size} tokens"
+        f"{info.num_kv_blocks} blocks x {info.block_size} tokens = {info.num_kv_blocks * info.block_size} tokens, "
+        f"{format_gib(info.kv_cache_bytes)} ({info.kv_cache_reason})"
         if info.num_kv_blocks
         else "not paged (--engine hf)"
     )
@@ -221,8 +223,9 @@ def _print_banner(url: str, info: ModelInfo, names: tuple[str, ...], config: Ser
     lines = [
         f"pagedserve {__version__} serving {served} ({info.engine_name} engine) on {url}",
         f"  OpenAI API: {url}/v1   TGI API: {url}/generate   docs: {url}/docs   metrics: {url}/metrics",
-        f"  context: {info.max_model_len} tokens   KV cache: {kv}"
+        f"  context: {info.max_model_len} tokens"
         + (f"   threads: {info.num_threads} ({info.threads_reason})" if info.num_threads else ""),
+        f"  KV cache: {kv}",
         f"  API key: {'required' if config.http.api_keys else 'none'}   "
         f"admin API: {'on' if config.admin_key else 'off'}   "
         f"engines: {'Ray' if config.cluster is not None else 'local'}   model loaded in {load_s:.1f} s",

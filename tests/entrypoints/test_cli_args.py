@@ -75,6 +75,30 @@ def test_cluster_flags():
     assert joined.cluster.ray_address == "10.0.0.1:6379" and joined.cluster.dashboard
     assert joined.models[0].replicas == 1
     assert cfg.admission_capacity(cfg.models[1]) == 256 * 3 + 1024
+    # the five engines split the memory share evenly
+    assert [spec.engine_config.cache.memory_shared_by for spec in cfg.models] == [5, 5]
+
+
+def test_kv_cache_sizing_flags():
+    cache = config().models[0].engine_config.cache
+    assert cache.kv_cache_memory is None and cache.memory_utilization is None and cache.memory_shared_by == 1
+    assert config("--memory-utilization", "0.3").models[0].engine_config.cache.memory_utilization == 0.3
+    assert config("--gpu-memory-utilization", "0.8").models[0].engine_config.cache.memory_utilization == 0.8  # vLLM's
+    two = config("--model", "a=/m/a.gguf", "--model", "b=/m/b.gguf", "--kv-cache-memory", "2GiB")
+    assert [(s.engine_config.cache.kv_cache_memory, s.engine_config.cache.memory_shared_by) for s in two.models] == [
+        (2 << 30, 2),
+        (2 << 30, 2),
+    ]
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.2", "half", "nan"])
+def test_memory_utilization_must_be_a_fraction(value, capsys):
+    from pagedserve.cli import main
+
+    with pytest.raises(SystemExit) as excinfo:
+        main(["serve", "--memory-utilization", value])
+    assert excinfo.value.code == 2
+    assert "expected a fraction > 0 and <= 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
