@@ -120,9 +120,6 @@ class CacheConfig:
         return DEFAULT_MEMORY_UTILIZATION_CPU if device_type == "cpu" else DEFAULT_MEMORY_UTILIZATION_ACCELERATOR
 
 
-DEFAULT_DECODE_HEADROOM_TOKENS = 32
-
-
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Continuous batching limits.
@@ -135,9 +132,6 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority
-    # admission into a nearly full KV cache keeps free the blocks the running requests need for this many
-    # more tokens each, so that a new request does not force a running one out (a preemption recomputes it)
-    decode_headroom_tokens: int = DEFAULT_DECODE_HEADROOM_TOKENS
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -146,8 +140,6 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be positive")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError("policy must be fcfs or priority")
-        if self.decode_headroom_tokens < 0:
-            raise ValueError("decode_headroom_tokens must be >= 0")
 
 
 SPECULATIVE_METHODS = ("ngram",)

@@ -7,12 +7,6 @@ what is left of the budget is prefilled in chunks over several steps. When the K
 out, the newest (or, under the priority policy, the least important) running request is
 preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
 
-Admission keeps a full cache from thrashing: a waiting request starts only when the free blocks
-hold its whole prompt and its first ``decode_headroom_tokens``, on top of what the running
-requests need for the rest of their prompts and their own next ``decode_headroom_tokens``.
-Otherwise it waits, and so does everything behind it (first come, first served: a long prompt is
-not overtaken forever by short ones); with nothing running, the head of the queue always starts.
-
 With speculative decoding, a decoding request may run its last token plus draft tokens (prompt
 lookup) in one step: the drafts count against the token budget and take KV slots; the runner
 returns the drafts the model agreed with plus one token of its own, and the slots of rejected
@@ -26,7 +20,7 @@ import time
 from collections import deque
 
 from pagedserve.config import SchedulerConfig, SpeculativeConfig
-from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.ngram_proposer import NgramProposer
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -131,7 +125,6 @@ class Scheduler:
             budget -= num_new
             i = self.running.index(request) + 1 if preempted_here else i + 1
 
-        reserve = sum(self._blocks_still_needed(r) for r in self.running) if self.waiting and not preempted else 0
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
             if self.running and len(self.running) + request.num_samples_to_fork > self.config.max_num_seqs:
@@ -143,11 +136,8 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if self.running and self._blocks_to_admit(request, hits) + reserve > self.kv_cache.num_free_blocks:
-                break  # it would take blocks the running requests are about to need: wait (FCFS, no overtaking)
             if not self.kv_cache.allocate_slots(request, num_new, hits):
                 break
-            reserve += self._blocks_still_needed(request)
             self.waiting.popleft()
             if request.num_computed_tokens == 0:
                 self.kv_cache.record_prefix_lookup(request.num_tokens, num_hit_tokens)
@@ -283,35 +273,6 @@ class Scheduler:
         num_positions = self.speculative.num_speculative_tokens if self.speculative is not None else 0
         self.spec_accepted_per_pos = [0] * num_positions
         self.kv_cache.prefix_cache_queries = self.kv_cache.prefix_cache_hits = 0
-
-    # ----------------------------------------------------------------- admission under a full cache
-    def _tokens_soon(self, request: Request) -> int:
-        """The tokens ``request`` will hold once its prompt is computed and ``decode_headroom_tokens`` more
-        are generated (fewer where ``max_tokens`` or the context length ends it sooner)."""
-        max_tokens = request.sampling_params.max_tokens
-        final = self.max_model_len if max_tokens is None else request.num_prompt_tokens + max_tokens
-        grown = max(request.num_tokens, request.num_prompt_tokens) + self.config.decode_headroom_tokens
-        return min(grown, final, self.max_model_len)
-
-    def _fork_blocks(self, request: Request) -> int:
-        """Blocks the samples a request forks into take of their own: a copy of the shared last block and
-        their decode headroom each."""
-        per_sample = 1 + cdiv(self.config.decode_headroom_tokens, self.kv_cache.block_size)
-        return (request.num_samples_to_fork - 1) * per_sample
-
-    def _blocks_still_needed(self, request: Request) -> int:
-        """Blocks a running request will take beyond those it holds: the rest of its prompt and its
-        decode headroom."""
-        blocks = cdiv(self._tokens_soon(request), self.kv_cache.block_size) - len(request.block_ids)
-        return max(0, blocks) + self._fork_blocks(request)
-
-    def _blocks_to_admit(self, request: Request, hits: list) -> int:
-        """Free blocks admitting a waiting request takes from now on: its whole prompt (not only the first
-        chunk) and its decode headroom, less the cached prefix blocks it reuses (those nobody holds come
-        off the free list too)."""
-        revived = sum(1 for block in hits if block.ref_cnt == 0)
-        blocks = cdiv(self._tokens_soon(request), self.kv_cache.block_size) - len(hits)
-        return max(0, blocks) + revived + self._fork_blocks(request)
 
     # ----------------------------------------------------------------- helpers
     def _num_samples(self, request: Request, num_new: int) -> int:

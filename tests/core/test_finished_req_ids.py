@@ -13,8 +13,8 @@ from pagedserve.sampling_params import SamplingParams
 BS = 4
 
 
-def make_scheduler(num_blocks: int = 64, max_seqs: int = 8, headroom: int = 32) -> Scheduler:
-    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=max_seqs, decode_headroom_tokens=headroom)
+def make_scheduler(num_blocks: int = 64, max_seqs: int = 8) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=max_seqs)
     return Scheduler(config, KVCacheManager(num_blocks, BS), max_model_len=1000)
 
 
@@ -79,8 +79,8 @@ def test_stopped_fork_is_reported_alone():
 
 
 def test_preempted_samples_are_not_finished():
-    # 6 usable blocks of 4 tokens: two growing requests, both admitted (no decode headroom), preempt each other
-    scheduler = make_scheduler(num_blocks=7, headroom=0)
+    # 6 usable blocks of 4 tokens: two growing requests preempt each other
+    scheduler = make_scheduler(num_blocks=7)
     scheduler.add_request(make_request("old", 8, max_tokens=12))
     scheduler.add_request(make_request("new", 8, max_tokens=12))
     reported: list[tuple[str, int]] = []

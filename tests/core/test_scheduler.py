@@ -5,8 +5,6 @@ The model runner is replaced by a function that "samples" a fixed token, so only
 
 from __future__ import annotations
 
-import pytest
-
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request
@@ -20,16 +18,10 @@ BS = 4
 EOS = 2
 
 
-def make_scheduler(
-    num_blocks=64, budget=64, max_seqs=8, policy="fcfs", max_model_len=1000, chunked=True, headroom=32
-) -> Scheduler:
+def make_scheduler(num_blocks=64, budget=64, max_seqs=8, policy="fcfs", max_model_len=1000, chunked=True) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS)
     config = SchedulerConfig(
-        max_num_batched_tokens=budget,
-        max_num_seqs=max_seqs,
-        policy=policy,
-        enable_chunked_prefill=chunked,
-        decode_headroom_tokens=headroom,
+        max_num_batched_tokens=budget, max_num_seqs=max_seqs, policy=policy, enable_chunked_prefill=chunked
     )
     return Scheduler(config, kv, max_model_len)
 
@@ -175,9 +167,8 @@ def test_max_model_len_finishes_with_length():
 
 
 def test_preemption_frees_the_newest_and_it_resumes_first():
-    # 6 usable blocks of 4 tokens; two requests of 8 prompt tokens grow until the cache is full (no decode
-    # headroom kept at admission, so both start)
-    scheduler = make_scheduler(num_blocks=7, budget=64, headroom=0)
+    # 6 usable blocks of 4 tokens; two requests of 8 prompt tokens grow until the cache is full
+    scheduler = make_scheduler(num_blocks=7, budget=64)
     scheduler.add_request(make_request("old", 8, arrival=0.0, max_tokens=12))
     scheduler.add_request(make_request("new", 8, arrival=1.0, max_tokens=12))
     tokens = {"old": 0, "new": 0}
@@ -265,60 +256,4 @@ def test_prefix_cache_hit_skips_computed_tokens():
     assert scheduled_ids(sched) == {"b": 1}  # 12 of 13 tokens came from the cache
     assert second.num_cached_tokens == 12
     assert scheduler.kv_cache.prefix_cache_hits == 12
-    assert_no_leak(scheduler)
-
-
-def run_to_completion(scheduler: Scheduler, max_steps: int = 1000) -> dict[str, int]:
-    tokens: dict[str, int] = {}
-    for _ in range(max_steps):
-        if not scheduler.has_unfinished_requests():
-            break
-        for out in run_step(scheduler)[1]:
-            tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.new_token_ids)
-    assert not scheduler.has_unfinished_requests()
-    return tokens
-
-
-@pytest.mark.parametrize("headroom, preempts", [(32, False), (0, True)])
-def test_admission_keeps_decode_headroom_so_a_full_cache_does_not_thrash(headroom, preempts):
-    # 24 usable blocks of 4 tokens; six requests that end at 48 tokens (12 blocks) each
-    scheduler = make_scheduler(num_blocks=25, headroom=headroom)
-    for k in range(6):
-        scheduler.add_request(make_request(f"r{k}", 8, arrival=k, max_tokens=40, ignore_eos=True))
-    tokens = run_to_completion(scheduler)
-    assert tokens == {f"r{k}": 40 for k in range(6)}  # nothing lost either way
-    # with the headroom kept, nobody is started only to be recomputed later; without it they thrash
-    assert (scheduler.num_preemptions > 0) is preempts
-    assert_no_leak(scheduler)
-
-
-def test_a_long_prompt_waiting_for_room_is_not_overtaken_and_starts_when_room_frees():
-    scheduler = make_scheduler(num_blocks=21, budget=128)  # 20 usable blocks of 4 tokens
-    scheduler.add_request(make_request("running", 8, arrival=0.0, max_tokens=20, ignore_eos=True))
-    run_step(scheduler)
-    scheduler.add_request(make_request("long", 60, arrival=1.0, max_tokens=4, ignore_eos=True))
-    started: dict[str, int] = {}
-    for step in range(200):
-        if step < 40:  # short requests keep arriving behind the long one
-            scheduler.add_request(make_request(f"short{step}", 4, arrival=2.0 + step, max_tokens=4, ignore_eos=True))
-        sched, _ = run_step(scheduler)
-        for item in sched.scheduled:
-            started.setdefault(item.request.request_id, step)
-        if not scheduler.has_unfinished_requests():
-            break
-    assert not scheduler.has_unfinished_requests()  # everyone finished: no starvation
-    order = sorted((name for name in started if name != "running"), key=started.get)
-    assert order[0] == "long" and started[order[1]] >= started["long"]  # no short request overtook it
-    assert started["long"] <= 20  # it waited at most until "running" (20 tokens) was done
-    assert started["long"] > 0  # but did wait: its prompt and headroom did not fit beside "running"
-    assert scheduler.num_preemptions == 0
-    assert_no_leak(scheduler)
-
-
-def test_with_nothing_running_the_head_of_the_queue_starts_even_without_headroom():
-    scheduler = make_scheduler(num_blocks=11, budget=64)  # 10 usable blocks = 40 tokens
-    scheduler.add_request(make_request("big", 36, max_tokens=4, ignore_eos=True))
-    sched, _ = run_step(scheduler)
-    assert scheduled_ids(sched) == {"big": 36}
-    assert run_to_completion(scheduler) == {"big": 3}  # the first token came with the prefill step
     assert_no_leak(scheduler)

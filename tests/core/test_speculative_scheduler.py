@@ -23,7 +23,7 @@ CYCLE = [11, 12, 13, 14, 15, 16, 17]
 
 
 def make_scheduler(
-    num_blocks=64, budget=64, k=3, disable_by_batch_size=8, max_model_len=1000, lookup_min=2, headroom=32
+    num_blocks=64, budget=64, k=3, disable_by_batch_size=8, max_model_len=1000, lookup_min=2
 ) -> Scheduler:
     spec = SpeculativeConfig(
         num_speculative_tokens=k,
@@ -31,7 +31,7 @@ def make_scheduler(
         prompt_lookup_min=lookup_min,
         disable_by_batch_size=disable_by_batch_size,
     )
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16, decode_headroom_tokens=headroom)
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16)
     return Scheduler(config, KVCacheManager(num_blocks, BS), max_model_len, spec)
 
 
@@ -206,7 +206,7 @@ def test_drafts_respect_the_token_budget_and_the_context_length():
 
 
 def test_no_room_for_drafts_runs_the_plain_decode_without_preempting():
-    scheduler = make_scheduler(num_blocks=6, k=4, headroom=0)  # 5 usable blocks of 4 tokens, both admitted
+    scheduler = make_scheduler(num_blocks=6, k=4)  # 5 usable blocks of 4 tokens
     a = cyclic_request("a", num_prompt=14, max_tokens=100)  # 15 tokens after its prefill: 4 blocks
     b = cyclic_request("b", num_prompt=3, max_tokens=2)  # 1 block
     prefill(scheduler, a, b)
@@ -245,8 +245,7 @@ def test_large_batches_and_unforked_n_run_without_drafts():
 
 
 def test_preemption_of_a_drafting_request_loses_nothing():
-    # 12 usable blocks; each request needs 8 at its end; both admitted (no decode headroom)
-    scheduler = make_scheduler(num_blocks=13, k=3, budget=64, headroom=0)
+    scheduler = make_scheduler(num_blocks=13, k=3, budget=64)  # 12 usable blocks; each request needs 8 at its end
     a, b = cyclic_request("a", num_prompt=12, max_tokens=20), cyclic_request("b", num_prompt=12, max_tokens=20)
     prefill(scheduler, a, b)
     for _ in range(100):

@@ -16,14 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pagedserve.config import (
-    DEFAULT_DECODE_HEADROOM_TOKENS,
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
+from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.models.default_model import default_model_path
@@ -97,11 +90,7 @@ def reference(prompt_ids) -> list[Reference]:
 
 def make_llm(loaded, **overrides) -> LLM:
     cache = CacheConfig(block_size=16, kv_cache_memory=256 << 20, num_blocks_override=overrides.pop("num_blocks", None))
-    scheduler = SchedulerConfig(
-        max_num_batched_tokens=overrides.pop("budget", 2048),
-        max_num_seqs=64,
-        decode_headroom_tokens=overrides.pop("headroom", DEFAULT_DECODE_HEADROOM_TOKENS),
-    )
+    scheduler = SchedulerConfig(max_num_batched_tokens=overrides.pop("budget", 2048), max_num_seqs=64)
     config = EngineConfig(
         model=ModelConfig(dtype="float32"),
         cache=cache,
@@ -169,10 +158,9 @@ def test_chunked_prefill_forced(loaded, prompt_ids, reference):
 def test_preemption_forced(loaded, prompt_ids, reference):
     # 175 usable blocks of 16 tokens: the three longest-but-one prompts (634 + 904 + 1,193 tokens)
     # take 172 blocks when admitted together, so their decodes soon run out of blocks and the
-    # newest is preempted (no decode headroom is kept at admission); the longest request (~1,550 tokens)
-    # still fits alone.
+    # newest is preempted; the longest request (~1,550 tokens) still fits alone.
     order = [9, 10, 8, 11] + list(range(8))
-    llm = make_llm(loaded, num_blocks=176, headroom=0)
+    llm = make_llm(loaded, num_blocks=176)
     outputs = llm.generate([{"prompt_token_ids": prompt_ids[i]} for i in order], greedy())
     assert llm.engine.scheduler.num_preemptions > 0
     check_against_reference(outputs, [reference[i] for i in order], "preemption")

@@ -12,14 +12,7 @@ import jsonschema
 import pytest
 import torch
 
-from pagedserve.config import (
-    DEFAULT_DECODE_HEADROOM_TOKENS,
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
+from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.models.loader import load_model
@@ -52,9 +45,9 @@ def loaded():
     return load_model(ModelConfig(dtype="float32"), torch.device("cpu"))
 
 
-def make_llm(loaded, num_blocks=None, budget=2048, speculative=None, headroom=DEFAULT_DECODE_HEADROOM_TOKENS) -> LLM:
+def make_llm(loaded, num_blocks=None, budget=2048, speculative=None) -> LLM:
     cache = CacheConfig(block_size=16, kv_cache_memory=128 << 20, num_blocks_override=num_blocks)
-    scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64, decode_headroom_tokens=headroom)
+    scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64)
     config = EngineConfig(
         model=ModelConfig(dtype="float32"), cache=cache, scheduler=scheduler, device="cpu", speculative=speculative
     )
@@ -137,8 +130,8 @@ def test_preemption_and_chunked_prefill_keep_the_matcher(loaded, llm):
     questions = [q + " " + "Use realistic values. " * 30 for q in QUESTIONS] * 2  # ~190-token prompts
     roomy = llm.chat(chats(questions), params)
     # 40 blocks of 16 tokens for 16 samples of ~250 tokens: decodes run out of blocks and are preempted;
-    # a 64-token budget splits every prompt into chunks; no decode headroom is kept at admission
-    tight = make_llm(loaded, num_blocks=41, budget=64, headroom=0)
+    # a 64-token budget splits every prompt into chunks
+    tight = make_llm(loaded, num_blocks=41, budget=64)
     squeezed = tight.chat(chats(questions), params)
     assert tight.engine.scheduler.num_preemptions > 0
     for a, b in zip(roomy, squeezed):

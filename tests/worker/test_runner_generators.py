@@ -40,8 +40,8 @@ class PositionalModel(nn.Module):
 class Engine:
     """A scheduler and a model runner, stepped as LLMEngine does."""
 
-    def __init__(self, num_blocks: int = 64, headroom: int = 32) -> None:
-        config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, decode_headroom_tokens=headroom)
+    def __init__(self, num_blocks: int = 64) -> None:
+        config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8)
         self.scheduler = Scheduler(config, KVCacheManager(num_blocks, BS), max_model_len=200)
         self.runner = ModelRunner(
             PositionalModel(),
@@ -89,7 +89,7 @@ def test_sample_i_draws_from_seed_plus_i():
 
 def test_a_preempted_sample_keeps_its_generator():
     def run(num_blocks: int) -> tuple[dict, int]:
-        engine = Engine(num_blocks, headroom=0)  # all admitted together, so the tight cache preempts
+        engine = Engine(num_blocks)
         engine.add("a", seed=1, n=2, max_tokens=14)
         engine.add("b", seed=2, max_tokens=14)
         engine.add("c", seed=3, max_tokens=14, top_k=5)
