@@ -14,8 +14,6 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import math
-import mmap
 import sys
 
 import torch
@@ -75,16 +73,9 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.zeros(shape)``; on a Linux CPU, fresh private anonymous memory aligned to and advised for huge
-    pages. The kernel zero-fills each page when it is first touched, so nothing is written or committed up
-    front: a cache of gigabytes costs no start-up time, and resident memory grows as its blocks are first
-    used (never past its size, which the engine checked against the free memory)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if device.type != "cpu" or _libc() is None or nbytes == 0:
+    """``torch.zeros(shape)``; on a Linux CPU, backed by huge pages where the kernel allows them."""
+    if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
-    offset = -raw.data_ptr() % HUGE_PAGE_BYTES
-    tensor = raw[offset : offset + nbytes].view(dtype).view(shape)
+    tensor = torch.empty(shape, dtype=dtype, device=device)  # not touched yet: no pages mapped
     advise_huge_pages(tensor)
-    return tensor
+    return tensor.zero_()
