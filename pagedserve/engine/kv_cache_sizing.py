@@ -67,9 +67,12 @@ def activation_reserve(
     return scheduler.max_num_batched_tokens * per_token + sampled_rows * per_row
 
 
-def kv_cache_size(cache: CacheConfig, device: torch.device, memory: DeviceMemory, reserve: int) -> KVCacheSize:
+def kv_cache_size(
+    cache: CacheConfig, device: torch.device, memory: DeviceMemory, reserve: int, most_useful: int | None = None
+) -> KVCacheSize:
     """The KV cache's bytes for ``cache`` on ``device`` (see the module docstring); ValueError when there is
-    no room for the configured size, or none left at all."""
+    no room for the configured size, or none left at all. A size from the memory share is also capped to
+    ``most_useful`` bytes (what the most sequences the scheduler runs at once can hold at full length)."""
     if cache.kv_cache_memory is not None:
         if cache.kv_cache_memory > memory.available:
             raise ValueError(
@@ -87,6 +90,8 @@ def kv_cache_size(cache: CacheConfig, device: torch.device, memory: DeviceMemory
     )
     if wanted > room:
         wanted, reason = room, f"{reason}; capped to the {gib(memory.available)} free"
+    if most_useful is not None and wanted > most_useful:
+        wanted, reason = most_useful, f"{reason}; capped to {gib(most_useful)}, all the running sequences can hold"
     if wanted <= 0:
         raise ValueError(
             f"no memory left for the KV cache: {reason} leaves nothing; raise --memory-utilization (now "

@@ -139,7 +139,14 @@ class LLMEngine:
             config.scheduler,
             rows_per_seq=1 + draft_rows,
         )
-        return kv_cache_size(config.cache, self.device, device_memory(self.device), reserve)
+        # the most the cache can be used for: max_num_seqs sequences at the full context length
+        block_size = config.cache.resolved_block_size(self.device.type)
+        max_len = config.model.max_model_len or loaded.max_model_len
+        block_bytes = kv_cache_bytes_per_block(
+            loaded.num_layers, block_size, loaded.num_kv_heads, loaded.head_dim, loaded.dtype
+        )
+        most_useful = (config.scheduler.max_num_seqs * cdiv(max_len, block_size) + 1) * block_bytes
+        return kv_cache_size(config.cache, self.device, device_memory(self.device), reserve, most_useful)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -39,6 +39,12 @@ def test_capped_by_the_memory_still_free():
     assert size.reason.endswith("capped to the 3.00 GiB free")
 
 
+def test_capped_to_what_the_running_sequences_can_hold():
+    size = kv_cache_size(CacheConfig(), CPU, machine(), reserve=0, most_useful=2 * GIB)
+    assert size.bytes == 2 * GIB and size.reason.endswith("capped to 2.00 GiB, all the running sequences can hold")
+    assert kv_cache_size(CacheConfig(kv_cache_memory=3 * GIB), CPU, machine(), 0, most_useful=GIB).bytes == 3 * GIB
+
+
 def test_nothing_left_is_a_clear_error():
     with pytest.raises(ValueError, match=r"no memory left for the KV cache.*raise --memory-utilization \(now 0.1\)"):
         kv_cache_size(CacheConfig(memory_utilization=0.1), CPU, machine(held=2.0), reserve=0)
