@@ -147,6 +147,15 @@ def memory_budget(
     return MemoryBudget(total, min(available, total), reason)
 
 
+def resident_bytes() -> int:
+    """This process's resident set size (``/proc/self/statm``; 0 where there is none to read)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def format_gib(size: float) -> str:
     return f"{size / (1 << 30):.2f} GiB"
 

@@ -10,13 +10,12 @@ by what is free now. The reason string says which of these decided, for the star
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from pagedserve.config import CacheConfig, SchedulerConfig
-from pagedserve.host_resources import MemoryBudget, memory_budget
+from pagedserve.host_resources import MemoryBudget, memory_budget, resident_bytes
 from pagedserve.host_resources import format_gib as gib
 
 
@@ -44,15 +43,6 @@ def device_memory(device: torch.device, host: MemoryBudget | None = None) -> Dev
         return DeviceMemory(total, free, torch.cuda.memory_reserved(device), f"{gib(total)} of {device}")
     host = host or memory_budget()
     return DeviceMemory(host.total, host.available, resident_bytes(), host.reason)
-
-
-def resident_bytes() -> int:
-    """This process's resident set size (``/proc/self/statm``; 0 where there is none to read)."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def activation_reserve(

@@ -51,7 +51,7 @@ class LLMEngine:
         block_bytes = kv_cache_bytes_per_block(
             loaded.num_layers, block_size, loaded.num_kv_heads, loaded.head_dim, loaded.dtype
         )
-        kv_size = self._kv_cache_size(config, loaded)
+        kv_size = self._kv_cache_size(config, loaded, block_size, block_bytes)
         num_blocks = cache.num_blocks_override or max(2, kv_size.bytes // block_bytes)
         capacity = (num_blocks - 1) * block_size
         if config.model.max_model_len is not None and capacity < config.model.max_model_len:
@@ -125,7 +125,9 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         return cls(config)
 
-    def _kv_cache_size(self, config: EngineConfig, loaded: LoadedModel) -> KVCacheSize:
+    def _kv_cache_size(
+        self, config: EngineConfig, loaded: LoadedModel, block_size: int, block_bytes: int
+    ) -> KVCacheSize:
         """The KV cache's bytes: configured, or sized from the memory left after the weights loaded."""
         if config.cache.num_blocks_override is not None:
             return KVCacheSize(0, "a fixed number of blocks")
@@ -140,11 +142,7 @@ class LLMEngine:
             rows_per_seq=1 + draft_rows,
         )
         # the most the cache can be used for: max_num_seqs sequences at the full context length
-        block_size = config.cache.resolved_block_size(self.device.type)
         max_len = config.model.max_model_len or loaded.max_model_len
-        block_bytes = kv_cache_bytes_per_block(
-            loaded.num_layers, block_size, loaded.num_kv_heads, loaded.head_dim, loaded.dtype
-        )
         most_useful = (config.scheduler.max_num_seqs * cdiv(max_len, block_size) + 1) * block_bytes
         return kv_cache_size(config.cache, self.device, device_memory(self.device), reserve, most_useful)
 

@@ -57,12 +57,11 @@ def _size_arg(text: str) -> int:
 
 def _fraction_arg(text: str) -> float:
     try:
-        value = float(text)
+        if 0.0 < (value := float(text)) <= 1.0:
+            return value
     except ValueError:
-        value = float("nan")
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction > 0 and <= 1, got {text!r}")
-    return value
+        pass
+    raise argparse.ArgumentTypeError(f"expected a fraction > 0 and <= 1, got {text!r}")
 
 
 def _speculative_config_arg(text: str) -> SpeculativeConfig:
