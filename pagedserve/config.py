@@ -142,7 +142,7 @@ class SchedulerConfig:
             raise ValueError("policy must be fcfs or priority")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 DEFAULT_PROMPT_LOOKUP_MAX = 4
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 _SPECULATIVE_KEYS = (
@@ -151,6 +151,7 @@ _SPECULATIVE_KEYS = (
     "prompt_lookup_max",
     "prompt_lookup_min",
     "disable_by_batch_size",
+    "model",
 )
 
 
@@ -163,6 +164,10 @@ class SpeculativeConfig:
     tokens that followed the most recent match are proposed; the target model checks them all in
     one forward. Speculation is off for a step when more than ``disable_by_batch_size`` requests
     run (the verification rows cost more than they save in a large batch).
+
+    ``draft_model``: a smaller model of the same vocabulary (``model``: a Hugging Face directory or a
+    ``.gguf`` file) proposes ``num_speculative_tokens`` tokens greedily, one forward each, over its own
+    KV cache that shares the target's block tables; the target checks them as it checks lookups.
     """
 
     method: str = "ngram"
@@ -170,10 +175,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
     disable_by_batch_size: int = 8
+    model: str | None = None  # draft_model: the draft's path
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model":
-            raise ValueError("speculative method 'draft_model' is not available yet; use 'ngram'")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, not {self.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
@@ -184,6 +188,10 @@ class SpeculativeConfig:
             raise ValueError("speculative config: num_speculative_tokens must be at most 16")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("speculative config: prompt_lookup_min must not exceed prompt_lookup_max")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative config: method 'draft_model' needs \"model\": the draft model's path")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative config: \"model\" is for method 'draft_model', not 'ngram'")
 
     @classmethod
     def from_dict(cls, values: dict) -> SpeculativeConfig:
@@ -191,14 +199,14 @@ class SpeculativeConfig:
         ``prompt_lookup_min`` given: the other takes its value where the default would not fit."""
         if not isinstance(values, dict):
             raise ValueError("speculative config must be a JSON object")
-        unknown = sorted(set(values) - set(_SPECULATIVE_KEYS) - {"model"})
+        unknown = sorted(set(values) - set(_SPECULATIVE_KEYS))
         if unknown:
             raise ValueError(
                 f"speculative config: unknown key(s) {', '.join(unknown)}; known: {', '.join(_SPECULATIVE_KEYS)}"
             )
         values = dict(values)
-        if values.get("method") == "draft_model" or "model" in values:
-            raise ValueError("speculative decoding with a draft model is not available yet; use method 'ngram'")
+        if "method" not in values and "model" in values:
+            values["method"] = "draft_model"  # as vLLM reads a config that names only a model
         if "method" not in values:
             raise ValueError("speculative config: 'method' is required (e.g. \"ngram\")")
         lookup_max, lookup_min = values.get("prompt_lookup_max"), values.get("prompt_lookup_min")

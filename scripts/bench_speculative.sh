@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The speculative-decoding benchmark of docs/speculative-decoding.md: one server without speculation
-# and one with n-gram drafts (vLLM's --speculative-config), loaded side by side by alternating
+# and one with SPEC's drafts (vLLM's --speculative-config: n-gram by default, or a draft model), loaded
+# side by side by alternating
 # `pagedserve bench` runs:
 #   1. the input-grounded workload (copy / correct / quote a passage) at concurrency 1: TPOT, greedy,
 #      answers end where the model ends them;
@@ -26,9 +27,9 @@ source scripts/servers.sh
 
 mkdir -p "$OUT"
 start off 8100 --dtype "$DTYPE" --kv-cache-memory "$KV_CACHE" --max-model-len 4096
-start ngram 8101 --dtype "$DTYPE" --kv-cache-memory "$KV_CACHE" --max-model-len 4096 --speculative-config "$SPEC"
-grep -h "speculative decoding" "$OUT/server-ngram.log" || true
-targets=(--target "off=http://127.0.0.1:8100,pid=$off_pid" --target "ngram=http://127.0.0.1:8101,pid=$ngram_pid")
+start spec 8101 --dtype "$DTYPE" --kv-cache-memory "$KV_CACHE" --max-model-len 4096 --speculative-config "$SPEC"
+grep -h "speculative decoding" "$OUT/server-spec.log" || true
+targets=(--target "off=http://127.0.0.1:8100,pid=$off_pid" --target "spec=http://127.0.0.1:8101,pid=$spec_pid")
 PHASES=${PHASES:-grounded random}
 if [[ " $PHASES " == *" grounded "* ]]; then
   # shellcheck disable=SC2086

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pagedserve.core.request import Request
 from pagedserve.outputs import TokenLogprob
 
+DRAFT_PENDING = -1  # a draft slot left for the runner's draft model, which writes the token in before the forward
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
@@ -17,7 +19,8 @@ class ScheduledRequest:
 
     ``spec_token_ids``: draft tokens (speculative decoding) run after the request's last token, so
     ``num_new_tokens`` is ``1 + len(spec_token_ids)``; the runner samples at all those positions and
-    returns the accepted drafts plus one token of its own.
+    returns the accepted drafts plus one token of its own. With a draft model the scheduler leaves
+    ``DRAFT_PENDING`` slots here, and the runner's drafter fills them in before the target's forward.
     """
 
     request: Request

@@ -23,7 +23,7 @@ from pagedserve.config import SchedulerConfig, SpeculativeConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.ngram_proposer import NgramProposer
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedserve.core.sched_output import DRAFT_PENDING, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.messages import ITERATION_TOKEN_BUCKETS, EngineCoreOutput, SchedulerStats
 from pagedserve.outputs import FinishReason
 
@@ -42,11 +42,12 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.speculative = speculative
+        # drafts by prompt lookup here; a draft model's are made by the runner, in the slots left for them
         self.proposer = (
             NgramProposer(
                 speculative.prompt_lookup_min, speculative.prompt_lookup_max, speculative.num_speculative_tokens
             )
-            if speculative is not None
+            if speculative is not None and speculative.method == "ngram"
             else None
         )
         self.kv_cache = kv_cache
@@ -97,7 +98,7 @@ class Scheduler:
         preempted = False
         now = time.monotonic()
 
-        speculate = self.proposer is not None and len(self.running) <= self.speculative.disable_by_batch_size
+        speculate = self.speculative is not None and len(self.running) <= self.speculative.disable_by_batch_size
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -228,7 +229,13 @@ class Scheduler:
         max_drafts = min(budget, self.max_model_len - request.num_tokens) - 1  # each step emits drafts + 1
         if params.max_tokens is not None:
             max_drafts = min(max_drafts, params.max_tokens - request.num_output_tokens - 1)
-        return self.proposer.propose(request.all_token_ids, max_drafts) if max_drafts > 0 else []
+        if max_drafts <= 0:
+            return []
+        if self.proposer is None:  # a draft model: slots that the runner fills (not under a grammar's mask)
+            if params.structured_outputs is not None:
+                return []
+            return [DRAFT_PENDING] * min(self.speculative.num_speculative_tokens, max_drafts)
+        return self.proposer.propose(request.all_token_ids, max_drafts)
 
     def _record_acceptance(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         self.spec_num_drafts += 1

@@ -13,14 +13,14 @@ import time
 
 import torch
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.request import Request
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.kv_cache_sizing import KVCacheSize, activation_reserve, device_memory, kv_cache_size
 from pagedserve.host_resources import thread_budget
 from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
-from pagedserve.models.loader import LoadedModel, load_model
+from pagedserve.models.loader import LoadedModel, ModelLoadError, load_model
 from pagedserve.outputs import FinishReason
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.manager import StructuredOutputManager, build_compiler
@@ -46,10 +46,13 @@ class LLMEngine:
         torch.set_num_threads(threads.count)
         self.device = resolve_device(config.device)
         loaded = loaded or load_model(config.model, self.device)
+        draft = self._load_draft(config, loaded)
         cache = config.cache
         self.block_size = block_size = cache.resolved_block_size(self.device.type)
-        block_bytes = kv_cache_bytes_per_block(
-            loaded.num_layers, block_size, loaded.num_kv_heads, loaded.head_dim, loaded.dtype
+        block_bytes = sum(  # a draft model's K/V shares the blocks
+            kv_cache_bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim, m.dtype)
+            for m in (loaded, draft)
+            if m is not None
         )
         kv_size = self._kv_cache_size(config, loaded, block_size, block_bytes)
         num_blocks = cache.num_blocks_override or max(2, kv_size.bytes // block_bytes)
@@ -88,6 +91,7 @@ class LLMEngine:
             device=self.device,
             seed=config.model.seed,
             batch_size_hint=min(config.scheduler.max_num_seqs, 64),
+            draft=draft,
         )
         self.model_info = ModelInfo(
             model_name=loaded.model_name,
@@ -124,6 +128,20 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         return cls(config)
+
+    def _load_draft(self, config: EngineConfig, loaded: LoadedModel) -> LoadedModel | None:
+        """The speculative draft model, with the target's dtype; its vocabulary must be the target's."""
+        spec = config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        draft = load_model(ModelConfig(model=spec.model, dtype=config.model.dtype), self.device)
+        if draft.vocab_size != loaded.vocab_size:
+            raise ModelLoadError(
+                f"the draft model {spec.model} has a vocabulary of {draft.vocab_size} tokens, the model "
+                f"{loaded.model_name} one of {loaded.vocab_size}: a draft model must share the target's tokenizer"
+            )
+        logger.info("draft model %s: %d layers, context %d", draft.model_name, draft.num_layers, draft.max_model_len)
+        return draft
 
     def _kv_cache_size(
         self, config: EngineConfig, loaded: LoadedModel, block_size: int, block_bytes: int

@@ -173,7 +173,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default=None,
         metavar="JSON",
         help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 8}\' (docs/speculative-decoding.md)',
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 8}\', or with a draft model of '
+        'the same tokenizer \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' '
+        "(docs/speculative-decoding.md)",
     )
     cluster = parser.add_argument_group("cluster (engine replicas on Ray; on with --replicas or --ray-address)")
     cluster.add_argument(

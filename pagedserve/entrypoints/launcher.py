@@ -232,9 +232,13 @@ def _print_banner(url: str, info: ModelInfo, names: tuple[str, ...], config: Ser
     ]
     spec = config.models[0].engine_config.speculative
     if spec is not None and info.engine_name == "paged":
+        source = (
+            f"draft model {spec.model}"
+            if spec.method == "draft_model"
+            else f"lookup of {spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens"
+        )
         lines.append(
             f"  speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} draft tokens "
-            f"(lookup of {spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens), "
-            f"off while more than {spec.disable_by_batch_size} requests run"
+            f"({source}), off while more than {spec.disable_by_batch_size} requests run"
         )
     logger.info("\n%s", "\n".join(lines))

@@ -25,9 +25,11 @@ from torch import nn
 from pagedserve.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedserve.kernels import load_cpu_kernels
 from pagedserve.models.attention import build_attention_metadata
+from pagedserve.models.loader import LoadedModel
 from pagedserve.models.quantize_model import pack_quantized_weights, weight_bytes
 from pagedserve.outputs import TokenLogprob
 from pagedserve.worker.cpu_fast_paths import can_pack_linear_weights, pack_linear_weights, use_fused_ops
+from pagedserve.worker.draft_model import DraftModelProposer
 from pagedserve.worker.host_memory import zeros_on_huge_pages
 from pagedserve.worker.sampler import Sampler, SamplingRow
 
@@ -68,6 +70,7 @@ class ModelRunner:
         seed: int = 0,
         use_cpu_kernels: bool = True,
         batch_size_hint: int = 64,
+        draft: LoadedModel | None = None,
     ) -> None:
         self.model = model
         # wall seconds spent in the model forward and the logits, cumulative (pagedserve:model_forward_seconds).
@@ -89,14 +92,41 @@ class ModelRunner:
         # the own generator of each seeded sample, by Request.key: made when the sample first samples, kept
         # while it is preempted (its recompute draws on where it left off), dropped once it is finished
         self._generators: dict[tuple[str, int], torch.Generator] = {}
+        self._prepare_weights(model, dtype, use_cpu_kernels, batch_size_hint)
+        self.weight_bytes = weight_bytes(model)  # resident, packed and quantized copies included
+        logger.info("model weights: %.1f MiB resident", self.weight_bytes / 2**20)
+        # speculative decoding's draft model, over a KV cache of its own that shares the block tables
+        self.drafter: DraftModelProposer | None = None
+        if draft is not None:
+            self._prepare_weights(draft.model, draft.dtype, use_cpu_kernels, batch_size_hint)
+            self.drafter = DraftModelProposer(
+                draft.model,
+                num_layers=draft.num_layers,
+                num_kv_heads=draft.num_kv_heads,
+                head_dim=draft.head_dim,
+                max_model_len=draft.max_model_len,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                dtype=draft.dtype,
+                device=device,
+                kernels=kernels,
+                forward=self._in_forward,
+            )
+            draft_bytes = weight_bytes(draft.model)
+            self.weight_bytes += draft_bytes
+            logger.info("draft model weights: %.1f MiB resident", draft_bytes / 2**20)
+
+    def _prepare_weights(
+        self, model: nn.Module, dtype: torch.dtype, use_cpu_kernels: bool, batch_size_hint: int
+    ) -> None:
+        """Quantized and linear weights packed for the CPU kernels where they run."""
+        kernels = self.kernels
         if kernels is not None and dtype == torch.bfloat16 and kernels.has_quant_linear():
             pack_quantized_weights(model, kernels)
-        if use_cpu_kernels and can_pack_linear_weights(device, dtype):
+        if use_cpu_kernels and can_pack_linear_weights(self.device, dtype):
             pack_linear_weights(model, batch_size_hint, kernels)
             if kernels is not None and dtype == torch.bfloat16:
                 use_fused_ops(model, kernels)
-        self.weight_bytes = weight_bytes(model)  # resident, packed and quantized copies included
-        logger.info("model weights: %.1f MiB resident", self.weight_bytes / 2**20)
 
     @torch.inference_mode()
     def execute_model(
@@ -106,9 +136,13 @@ class ModelRunner:
         ``[rows, vocab]`` in place before sampling."""
         for key in sched.finished_req_ids:  # first: a finished request's id may be in use again here
             self._generators.pop(key, None)
+        if self.drafter is not None:
+            self.drafter.forget(sched.finished_req_ids)
         if sched.block_copies:
             self._copy_blocks(sched.block_copies)
         items = sched.scheduled
+        if self.drafter is not None:
+            self.drafter.propose(items)  # the draft model's tokens into the slots the scheduler left
         input_ids: list[int] = []
         positions: list[int] = []
         for item in items:
@@ -163,6 +197,8 @@ class ModelRunner:
             for k, item in enumerate(items):
                 if item.spec_token_ids:
                     num_emitted = accepted_prefix(item.spec_token_ids, sampled[k]) + 1
+                    if self.drafter is not None:
+                        self.drafter.record_accepted(item, num_emitted - 1)
                     del sampled[k][num_emitted:]
                     if logprobs[k] is not None:
                         del logprobs[k][num_emitted:]
@@ -236,3 +272,5 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
         for cache in self.kv_caches:
             cache[:, dst] = cache[:, src]
+        if self.drafter is not None:
+            self.drafter.copy_blocks(src, dst)

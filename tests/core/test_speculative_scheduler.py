@@ -12,7 +12,7 @@ from pagedserve.config import SchedulerConfig, SpeculativeConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.ngram_proposer import NgramProposer
 from pagedserve.core.request import Request
-from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.core.sched_output import DRAFT_PENDING, ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.outputs import FinishReason
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -269,12 +269,35 @@ def test_preemption_of_a_drafting_request_loses_nothing():
         ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "must not exceed"),
         ({"method": "ngram", "lookahead": 3}, "unknown key"),
         ({"num_speculative_tokens": 3}, "'method' is required"),
-        ({"method": "draft_model", "model": "/some/dir"}, "not available yet"),
+        ({"method": "draft_model"}, 'needs "model"'),
+        ({"method": "draft_model", "model": ""}, 'needs "model"'),
+        ({"method": "ngram", "model": "/some/dir"}, "is for method 'draft_model'"),
     ],
 )
 def test_speculative_config_errors(values, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.from_dict(values)
+
+
+def test_speculative_config_with_a_model_is_a_draft_model():
+    config = SpeculativeConfig.from_dict({"model": "/some/dir", "num_speculative_tokens": 3})  # vLLM's reading
+    assert (config.method, config.model, config.num_speculative_tokens) == ("draft_model", "/some/dir", 3)
+
+
+def test_a_draft_model_leaves_slots_for_the_runner_to_fill():
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+        KVCacheManager(64, 4),
+        200,
+        SpeculativeConfig("draft_model", num_speculative_tokens=3, model="/some/dir"),
+    )
+    request = cyclic_request("a")
+    scheduler.add_request(request)
+    sched = scheduler.schedule()  # the prompt: no drafts
+    assert not sched.scheduled[0].spec_token_ids
+    scheduler.update_from_output(sched, ModelRunnerOutput([[next_in_cycle(request.all_token_ids[-1])]], [None], [None]))
+    item = scheduler.schedule().scheduled[0]
+    assert item.spec_token_ids == [DRAFT_PENDING] * 3 and item.num_new_tokens == 4
 
 
 def test_speculative_config_fills_the_other_lookup_bound():

@@ -2,7 +2,8 @@
 
 Checked for twelve prompts of 5 to ~1,500 tokens: each alone, all batched together with filler
 requests (16 at once), with chunked prefill forced, with preemption forced, on a prefix-cache
-hit, and with speculative decoding (prompt lookup) alone and batched. Logprobs of the chosen tokens match transformers' to 1e-3. Where a genuine near-tie (top-2
+hit, and with speculative decoding (prompt lookup; a draft model, the model drafting for itself) alone,
+batched and preempted. Logprobs of the chosen tokens match transformers' to 1e-3. Where a genuine near-tie (top-2
 logprob gap under 1e-4 in the reference) makes the two diverge, the comparison stops there, as
 vLLM's ``check_logprobs_close`` does, and the test says so with a warning.
 """
@@ -21,6 +22,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.models.default_model import default_model_path
 from pagedserve.models.loader import load_model
+from pagedserve.models.registry import ModelLoadError
 from pagedserve.sampling_params import SamplingParams
 from tests.models.fidelity_prompts import fidelity_prompts
 from tests.utils import assert_no_leak
@@ -184,3 +186,73 @@ def test_speculative_decoding_alone_and_batched(loaded, prompt_ids, reference):
     check_against_reference(outputs[: len(prompt_ids)], reference, "speculative, batched")
     assert llm.engine.get_stats().spec_num_drafts > stats.spec_num_drafts
     assert_no_leak(llm)
+
+
+def test_draft_model_alone_batched_and_preempted(loaded, prompt_ids, reference):
+    # the model drafting for itself: its greedy drafts are the target's tokens wherever its own K/V (caught
+    # up after each step, shared block tables, rebuilt after preemption) is right, so nearly all are accepted
+    spec = SpeculativeConfig(
+        "draft_model", num_speculative_tokens=3, disable_by_batch_size=64, model=default_model_path()
+    )
+    llm = make_llm(loaded, speculative=spec)
+    some = [5, 9]  # a medium and a long prompt alone
+    alone = [llm.generate({"prompt_token_ids": prompt_ids[i]}, greedy())[0] for i in some]
+    check_against_reference(alone, [reference[i] for i in some], "draft model, alone")
+    batched = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids[:8]], greedy())
+    check_against_reference(batched, reference[:8], "draft model, batched")
+    stats = llm.engine.get_stats()
+    assert stats.spec_num_draft_tokens > 0
+    assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens
+    assert_no_leak(llm)
+
+    # 133 usable blocks of 16 tokens: the prompts of 904 and 1,193 tokens take 132 of them, so their
+    # decodes run out and one is preempted; the 634-token one waits, and the 1,485-token one fits alone
+    order = [9, 10, 8, 11]
+    small = make_llm(loaded, speculative=spec, num_blocks=134)
+    outputs = small.generate([{"prompt_token_ids": prompt_ids[i]} for i in order], greedy())
+    stats = small.engine.get_stats()
+    assert small.engine.scheduler.num_preemptions > 0
+    check_against_reference(outputs, [reference[i] for i in order], "draft model, preemption")
+    assert stats.spec_num_draft_tokens > 0
+    assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens
+    assert_no_leak(small)
+
+
+def save_random_draft(path, vocab_size: int) -> str:
+    """A tiny random Llama (2 layers, width 64) as a Hugging Face directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def test_a_random_draft_model_is_mostly_rejected_and_changes_nothing(loaded, prompt_ids, reference, tmp_path):
+    spec = SpeculativeConfig(
+        "draft_model",
+        num_speculative_tokens=4,
+        disable_by_batch_size=64,
+        model=save_random_draft(tmp_path, loaded.vocab_size),
+    )
+    llm = make_llm(loaded, speculative=spec)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids[:6]], greedy())
+    check_against_reference(outputs, reference[:6], "random draft model")
+    stats = llm.engine.get_stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens < 0.5 * stats.spec_num_draft_tokens
+    assert_no_leak(llm)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(loaded, tmp_path):
+    spec = SpeculativeConfig("draft_model", model=save_random_draft(tmp_path, 128))
+    with pytest.raises(ModelLoadError, match="vocabulary of 128 tokens"):
+        make_llm(loaded, speculative=spec)

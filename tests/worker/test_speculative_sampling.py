@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -19,6 +20,7 @@ from pagedserve.config import SchedulerConfig, SpeculativeConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.models.loader import LoadedModel
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.model_runner import ModelRunner
 
@@ -58,6 +60,11 @@ class Engine:
     """A scheduler and a model runner over the Markov model, stepped as LLMEngine does."""
 
     def __init__(self, speculative: SpeculativeConfig | None, num_blocks: int = 2048) -> None:
+        draft = None
+        if speculative is not None and speculative.method == "draft_model":  # drafts the chain's likeliest path
+            draft = LoadedModel(
+                MarkovModel(transition_matrix()), None, torch.float32, (0,), 200, "draft", 1, 1, 4, VOCAB, {}
+            )
         config = SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=512)
         self.scheduler = Scheduler(config, KVCacheManager(num_blocks, BS), 200, speculative)
         self.runner = ModelRunner(
@@ -72,6 +79,7 @@ class Engine:
             device=torch.device("cpu"),
             seed=7,
             use_cpu_kernels=False,
+            draft=draft,
         )
         self.tokens: dict[str, list[int]] = {}
 
@@ -89,15 +97,18 @@ class Engine:
         return self.tokens
 
 
-def spec_config() -> SpeculativeConfig:
+def spec_config(method: str = "ngram") -> SpeculativeConfig:
+    if method == "draft_model":
+        return SpeculativeConfig(method, num_speculative_tokens=3, disable_by_batch_size=512, model="markov")
     return SpeculativeConfig(
         num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=2, disable_by_batch_size=512
     )
 
 
-def test_sampled_output_follows_the_target_distribution():
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_output_follows_the_target_distribution(method):
     num_samples = 3000
-    engine = Engine(spec_config())
+    engine = Engine(spec_config(method))
     for i in range(num_samples):
         engine.add(f"r{i}", temperature=1.0)
     outputs = engine.run()
@@ -131,7 +142,8 @@ def test_sampled_output_follows_the_target_distribution():
         assert abs(conditional[token].item() - p) <= 5 * math.sqrt(p * (1 - p) / n) + 1e-3
 
 
-def test_greedy_and_seeded_output_equals_output_without_speculation():
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_and_seeded_output_equals_output_without_speculation(method):
     def run(speculative):
         engine = Engine(speculative)
         engine.add("greedy", temperature=0.0, max_tokens=20)
@@ -140,9 +152,9 @@ def test_greedy_and_seeded_output_equals_output_without_speculation():
         return engine.run(), engine.scheduler.get_stats()
 
     plain, _ = run(None)
-    spec, stats = run(spec_config())
+    spec, stats = run(spec_config(method))
     assert stats.spec_num_accepted_tokens > 0
     assert spec["greedy"] == plain["greedy"] and spec["penalised"] == plain["penalised"]
     assert len(spec["seeded"]) == 20
-    again, _ = run(spec_config())
+    again, _ = run(spec_config(method))
     assert again["seeded"] == spec["seeded"]  # a seed makes speculative sampling reproducible
