@@ -25,7 +25,7 @@ from pagedserve.models.loader import load_model
 from pagedserve.models.registry import ModelLoadError
 from pagedserve.sampling_params import SamplingParams
 from tests.models.fidelity_prompts import fidelity_prompts
-from tests.utils import assert_no_leak
+from tests.utils import TINY_CONFIG, assert_no_leak
 
 pytestmark = pytest.mark.slow
 
@@ -219,18 +219,11 @@ def test_draft_model_alone_batched_and_preempted(loaded, prompt_ids, reference):
 
 
 def save_random_draft(path, vocab_size: int) -> str:
-    """A tiny random Llama (2 layers, width 64) as a Hugging Face directory."""
+    """A tiny random Llama (the tests' TINY_CONFIG shape) of ``vocab_size`` as a Hugging Face directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        architectures=["LlamaForCausalLM"],
+        **dict(TINY_CONFIG, vocab_size=vocab_size, max_position_embeddings=8192), architectures=["LlamaForCausalLM"]
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
