@@ -3,8 +3,9 @@
 ``load_cpu_kernels()`` returns the compiled module, or None when it cannot be built (no compiler,
 no ninja): callers then fall back to the plain PyTorch reference path. The build uses
 ``-march=native``, so its cache entry is named after the CPU's feature flags: a cache shared with
-an older CPU (a shared home, a container image) is never loaded there; and after the sources, so
-that checkouts of different versions never rebuild (or load) each other's module.
+an older CPU (a shared home, a container image) is never loaded there; and after the sources and
+where they lie, so that two checkouts never rebuild (or load) each other's module (torch's build
+directory records the source paths: a second checkout in the same directory rebuilds it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-STALE_LOCK_S = 600  # a build takes well under a minute
+STALE_LOCK_S = 600  # a build on 2 idle cores takes a few minutes at most
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")  # pagedserve/kernels/csrc
 _SOURCE_NAMES = (
     "bindings.cpp",
@@ -59,8 +60,8 @@ def load_cpu_kernels() -> ModuleType | None:
 
 
 def _sources_fingerprint() -> str:
-    """8 hex digits naming the kernel sources: two checkouts with different sources never share a build."""
-    digest = hashlib.sha256()
+    """8 hex digits naming the kernel sources and their directory: two checkouts never share a build."""
+    digest = hashlib.sha256(_CSRC.encode())
     for path in sorted(_SOURCES + [os.path.join(_CSRC, n) for n in os.listdir(_CSRC) if n.endswith(".h")]):
         with open(path, "rb") as source:
             digest.update(source.read())
