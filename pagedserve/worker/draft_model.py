@@ -28,7 +28,7 @@ from torch import nn
 
 from pagedserve.core.sched_output import DRAFT_PENDING, ScheduledRequest
 from pagedserve.models.attention import build_attention_metadata
-from pagedserve.worker.host_memory import zeros_on_huge_pages
+from pagedserve.worker.host_memory import kv_cache_tensors
 
 
 class DraftModelProposer:
@@ -55,10 +55,7 @@ class DraftModelProposer:
         self.device = device
         self.kernels = kernels
         self._forward = forward  # runs a model call and counts its time as the runner's forward time
-        self.kv_caches = [
-            zeros_on_huge_pages((2, num_blocks, block_size, num_kv_heads, head_dim), dtype, device)
-            for _ in range(num_layers)
-        ]
+        self.kv_caches = kv_cache_tensors(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         # per sample (Request.key): how many leading positions hold the draft K/V of the sample's tokens
         self._num_valid: dict[tuple[str, int], int] = {}
 

@@ -79,3 +79,18 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torc
     tensor = torch.empty(shape, dtype=dtype, device=device)  # not touched yet: no pages mapped
     advise_huge_pages(tensor)
     return tensor.zero_()
+
+
+def kv_cache_tensors(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """A paged KV cache: per layer one zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+    tensor (K and V), on huge pages where they are allowed."""
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    return [zeros_on_huge_pages(shape, dtype, device) for _ in range(num_layers)]

@@ -30,7 +30,7 @@ from pagedserve.models.quantize_model import pack_quantized_weights, weight_byte
 from pagedserve.outputs import TokenLogprob
 from pagedserve.worker.cpu_fast_paths import can_pack_linear_weights, pack_linear_weights, use_fused_ops
 from pagedserve.worker.draft_model import DraftModelProposer
-from pagedserve.worker.host_memory import zeros_on_huge_pages
+from pagedserve.worker.host_memory import kv_cache_tensors
 from pagedserve.worker.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -81,10 +81,7 @@ class ModelRunner:
         self.forward_cpu_seconds = 0.0
         self.device = device
         self.block_size = block_size
-        self.kv_caches = [
-            zeros_on_huge_pages((2, num_blocks, block_size, num_kv_heads, head_dim), dtype, device)
-            for _ in range(num_layers)
-        ]
+        self.kv_caches = kv_cache_tensors(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         generator = torch.Generator(device=device).manual_seed(seed)
         kernels = load_cpu_kernels() if device.type == "cpu" and use_cpu_kernels else None
         self.kernels = kernels  # decode attention and cache writes in C++, or None for the PyTorch reference
