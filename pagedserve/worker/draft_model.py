@@ -21,6 +21,7 @@ batch, backing off) costs the draft nothing; it catches up when it drafts again.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 from types import ModuleType
 
 import torch
@@ -64,11 +65,6 @@ class DraftModelProposer:
         for key in keys:
             self._num_valid.pop(key, None)
 
-    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """The target's copy-on-write copies, applied to the draft's cache too (``src``, ``dst``: [num_copies])."""
-        for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
-
     def propose(self, items: list[ScheduledRequest]) -> None:
         """Fill the ``DRAFT_PENDING`` slots of ``items`` with drafts. A request whose drafts would run past
         the draft model's context gets fewer (its ``num_new_tokens`` shrinks with them)."""
@@ -89,20 +85,19 @@ class DraftModelProposer:
                 drafting.append(item)
         if not drafting:
             return
-        # decodes first, as the attention metadata wants them
-        starts = {id(item): self._num_valid.get(item.request.key, 0) for item in drafting}
-        drafting.sort(key=lambda item: not (item.request.num_tokens - starts[id(item)] == 1 and starts[id(item)] > 0))
+        # each with the first position its draft has not seen; decodes first, as the attention metadata wants them
+        starts = [(item, self._num_valid.get(item.request.key, 0)) for item in drafting]
+        starts.sort(key=lambda pair: not (pair[0].request.num_tokens - pair[1] == 1 and pair[1] > 0))
+        drafting = [item for item, _ in starts]
         ids: list[int] = []
         positions: list[int] = []
-        for item in drafting:
-            start, end = starts[id(item)], item.request.num_tokens
-            ids.extend(item.request.all_token_ids[start:end])
-            positions.extend(range(start, end))
-        num_computed = [starts[id(item)] for item in drafting]
-        num_new = [item.request.num_tokens - starts[id(item)] for item in drafting]
-        hidden = self._run(ids, positions, num_computed, num_new, drafting)  # [num_tokens, hidden]
-        last_rows = [sum(num_new[: k + 1]) - 1 for k in range(len(drafting))]
-        drafts = [[token] for token in self._argmax(hidden[torch.tensor(last_rows, device=self.device)])]
+        for item, start in starts:
+            ids.extend(item.request.all_token_ids[start:])
+            positions.extend(range(start, item.request.num_tokens))
+        num_new = [item.request.num_tokens - start for item, start in starts]
+        hidden = self._run(ids, positions, [start for _, start in starts], num_new, drafting)  # [num_tokens, hidden]
+        last_rows = torch.tensor(list(accumulate(num_new)), device=self.device) - 1  # [len(drafting)]
+        drafts = [[token] for token in self._argmax(hidden[last_rows])]
         for step in range(1, max(len(item.spec_token_ids) for item in drafting)):
             active = [k for k, item in enumerate(drafting) if len(item.spec_token_ids) > step]
             positions = [drafting[k].request.num_tokens + step - 1 for k in active]

@@ -267,7 +267,6 @@ class ModelRunner:
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
-        for cache in self.kv_caches:
+        draft_caches = self.drafter.kv_caches if self.drafter is not None else []  # same block ids
+        for cache in self.kv_caches + draft_caches:
             cache[:, dst] = cache[:, src]
-        if self.drafter is not None:
-            self.drafter.copy_blocks(src, dst)
