@@ -218,6 +218,18 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Tensor parallelism: ``tensor_parallel_size`` processes (ranks) each hold a slice of every large
+    weight and of the KV cache (by attention heads) and run one forward together; one scheduler."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be a positive integer")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs; built once from the CLI or the LLM constructor."""
 
@@ -228,6 +240,14 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
     max_logprobs: int = 20
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        spec = self.speculative
+        if self.parallel.tensor_parallel_size > 1 and spec is not None and spec.method == "draft_model":
+            raise ValueError(
+                "speculative method 'draft_model' does not run with tensor_parallel_size > 1; use 'ngram' or one rank"
+            )
 
 
 ENGINE_KINDS = ("paged", "hf")
@@ -255,6 +275,8 @@ class ModelSpec:
             raise ValueError("replicas must be at least 1")
         if self.engine == "hf" and self.engine_config.speculative is not None:
             raise ValueError("speculative decoding needs the paged engine, not --engine hf")
+        if self.engine == "hf" and self.engine_config.parallel.tensor_parallel_size > 1:
+            raise ValueError("tensor parallelism needs the paged engine, not --engine hf")
 
 
 REQUEST_ROUTERS = ("round-robin", "least-loaded", "prefix-affinity")

@@ -99,6 +99,7 @@ class ModelInfo:
     threads_reason: str = ""  # where that count comes from (host_resources.CpuBudget.reason)
     kv_cache_bytes: int = 0  # the paged KV cache's size (0 for engines without one)
     kv_cache_reason: str = ""  # how that size was chosen (engine.kv_cache_sizing.KVCacheSize.reason)
+    tensor_parallel_size: int = 1  # processes the model is split over
 
 
 @dataclass(slots=True)

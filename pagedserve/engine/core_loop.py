@@ -2,8 +2,9 @@
 
 Engine side (``run_busy_loop``): apply the client's messages in the order they were sent, ``step()``
 while the engine has work, send each step's outputs as one message (with a stats snapshot at most
-every ``STATS_INTERVAL_S``), send a snapshot and block when going idle (no spinning), report a fatal
-error once and stop. The engine is anything with LLMEngine's synchronous surface (``EngineCore``):
+every ``STATS_INTERVAL_S``), send a snapshot and block when going idle (no spinning; the engine's
+``check_health`` runs every ``HEALTH_CHECK_INTERVAL_S`` meanwhile, so a dead tensor-parallel worker
+is found without a request), report a fatal error once and stop. The engine is anything with LLMEngine's synchronous surface (``EngineCore``):
 the paged ``LLMEngine`` or the Transformers baseline ``HFEngine``.
 
 Client side (``CoreOutputReceiver``): what the event loop's client keeps of the core's messages: the
@@ -49,6 +50,7 @@ from pagedserve.messages import (
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.25  # refresh the stats snapshot at most this often while busy
+HEALTH_CHECK_INTERVAL_S = 1.0  # an idle engine's health is checked this often
 
 
 class EngineCore(Protocol):
@@ -63,6 +65,11 @@ class EngineCore(Protocol):
     def has_unfinished_requests(self) -> bool: ...
     def get_stats(self) -> SchedulerStats: ...
     def warmup(self) -> None: ...
+    def check_health(self) -> None:
+        """Raise if the engine can no longer serve (e.g. a worker process died); cheap."""
+
+    def shutdown(self) -> None:
+        """Release what the engine started (worker processes); called once, after the loop ends."""
 
 
 class CoreChannel(Protocol):
@@ -71,8 +78,8 @@ class CoreChannel(Protocol):
     def poll(self) -> list[ClientMessage]:
         """Every message queued now (maybe none), in the order sent; never blocks."""
 
-    def wait(self) -> list[ClientMessage]:
-        """At least one message, blocking until one arrives."""
+    def wait(self, timeout: float | None = None) -> list[ClientMessage]:
+        """At least one message, blocking until one arrives; none if ``timeout`` seconds pass first."""
 
     def send(self, message: CoreMessage) -> None:
         """Deliver a message to the client."""
@@ -95,7 +102,8 @@ def run_busy_loop(engine: EngineCore, channel: CoreChannel, *, on_warmed: Callab
                 messages = channel.poll()
             else:  # going idle: a fresh snapshot, then sleep until the client sends something
                 channel.send(CoreStats(engine.get_stats()))
-                messages = channel.wait()
+                while not (messages := channel.wait(HEALTH_CHECK_INTERVAL_S)):
+                    engine.check_health()
                 last_stats = time.monotonic()
             if messages and _apply(engine, channel, messages, on_warmed):
                 return
@@ -163,14 +171,18 @@ class ThreadChannel:
             messages, self._inputs = self._inputs, []
         return messages
 
-    def wait(self) -> list[ClientMessage]:
+    def wait(self, timeout: float | None = None) -> list[ClientMessage]:
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._wakeup.clear()
             with self._lock:
                 messages, self._inputs = self._inputs, []
             if messages:
                 return messages
-            self._wakeup.wait()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return []
+            self._wakeup.wait(left)
 
     def send(self, message: CoreMessage) -> None:
         self._receiver.handle(message)
@@ -263,6 +275,7 @@ class CoreOutputReceiver:
 
 
 __all__ = [
+    "HEALTH_CHECK_INTERVAL_S",
     "STATS_INTERVAL_S",
     "ClientGone",
     "CoreChannel",

@@ -187,6 +187,12 @@ class HFEngine:
     def has_unfinished_requests(self) -> bool:
         return self._running is not None or bool(self._queue)
 
+    def check_health(self) -> None:
+        """Always healthy: one process, nothing to watch."""
+
+    def shutdown(self) -> None:
+        """Nothing to release."""
+
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=1 if self._running is not None else 0, num_waiting=len(self._queue), **self._counters

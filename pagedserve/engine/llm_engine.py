@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import weakref
 
 import torch
 
@@ -18,13 +19,15 @@ from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.request import Request
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.kv_cache_sizing import KVCacheSize, activation_reserve, device_memory, kv_cache_size
-from pagedserve.host_resources import thread_budget
+from pagedserve.host_resources import CpuBudget, thread_budget
 from pagedserve.messages import EngineCoreOutput, EngineCoreRequest, ModelInfo, SchedulerStats
 from pagedserve.models.loader import LoadedModel, ModelLoadError, load_model
+from pagedserve.models.tensor_parallel import TensorParallel
 from pagedserve.outputs import FinishReason
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.manager import StructuredOutputManager, build_compiler
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from pagedserve.worker.tensor_parallel_executor import TensorParallelExecutor, rank_device
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +45,40 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        threads = thread_budget(config.num_threads)
+        budget = thread_budget(config.num_threads)
+        tp_size = config.parallel.tensor_parallel_size
+        # tensor parallelism: each rank (this process and tp_size - 1 workers) gets an equal share of the CPUs
+        threads = CpuBudget(max(1, budget.count // tp_size), budget.reason)
+        if tp_size > 1:
+            threads = CpuBudget(threads.count, f"per rank: {budget.count}, {budget.reason}, over {tp_size} ranks")
         torch.set_num_threads(threads.count)
         self.device = resolve_device(config.device)
-        loaded = loaded or load_model(config.model, self.device)
+        self.executor: TensorParallelExecutor | None = None
+        tensor_parallel = TensorParallel(0, tp_size)
+        if tp_size > 1:
+            if loaded is not None:
+                raise ValueError("a model loaded whole cannot be split over tensor-parallel ranks; pass none")
+            self.device = rank_device(self.device, 0)
+            self.executor = TensorParallelExecutor(config, self.device, threads.count)
+            # the workers stop when this engine is collected or the interpreter exits, whichever comes first
+            self._close_executor = weakref.finalize(self, self.executor.close)
+        try:
+            self._build(config, loaded, threads, tensor_parallel)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(
+        self, config: EngineConfig, loaded: LoadedModel | None, threads: CpuBudget, tensor_parallel: TensorParallel
+    ) -> None:
+        loaded = loaded or load_model(config.model, self.device, tensor_parallel)
+        if self.executor is not None:
+            self.executor.wait_loaded()
         draft = self._load_draft(config, loaded)
         cache = config.cache
         self.block_size = block_size = cache.resolved_block_size(self.device.type)
-        block_bytes = sum(  # a draft model's K/V shares the blocks
-            kv_cache_bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim, m.dtype)
+        block_bytes = sum(  # a draft model's K/V shares the blocks; all ranks' K/V heads together
+            kv_cache_bytes_per_block(m.num_layers, block_size, m.kv_heads_all_ranks, m.head_dim, m.dtype)
             for m in (loaded, draft)
             if m is not None
         )
@@ -79,6 +107,9 @@ class LLMEngine:
         # steps themselves and what the engine loop does between them (inputs, sending outputs)
         self._busy_seconds = 0.0
         self._busy_since: float | None = None
+        batch_size_hint = min(config.scheduler.max_num_seqs, 64)
+        if self.executor is not None:
+            self.executor.build_runners(num_blocks, block_size, batch_size_hint)
         self.runner = ModelRunner(
             loaded.model,
             num_layers=loaded.num_layers,
@@ -90,8 +121,9 @@ class LLMEngine:
             dtype=loaded.dtype,
             device=self.device,
             seed=config.model.seed,
-            batch_size_hint=min(config.scheduler.max_num_seqs, 64),
+            batch_size_hint=batch_size_hint,
             draft=draft,
+            send_plan=self.executor.send_plan if self.executor is not None else None,
         )
         self.model_info = ModelInfo(
             model_name=loaded.model_name,
@@ -107,6 +139,7 @@ class LLMEngine:
             threads_reason=threads.reason,
             kv_cache_bytes=num_blocks * block_bytes,
             kv_cache_reason=kv_size.reason,
+            tensor_parallel_size=tensor_parallel.world_size,
         )
         self.dtype = loaded.dtype
         # grammar compiler (the tokenizer's vocabulary) built on its own thread; requests with structured
@@ -223,7 +256,13 @@ class LLMEngine:
             return failed
         structured = self.structured
         structured.release(sched.finished_req_ids, self.scheduler.requests.__contains__)
-        result = self.runner.execute_model(sched, structured.logits_mask(sched))
+        try:
+            result = self.runner.execute_model(sched, structured.logits_mask(sched))
+        except Exception as exc:
+            cause = self.executor.explain_failure(exc) if self.executor is not None else None
+            if cause is not None:
+                raise cause from exc
+            raise
         structured.accept(sched, result)
         outputs = self.scheduler.update_from_output(sched, result)
         if failed:
@@ -244,6 +283,16 @@ class LLMEngine:
             EngineCoreOutput(request.request_id, 0, [], finish_reason=FinishReason.ABORT, error=error)
             for request, error in failed
         ]
+
+    def check_health(self) -> None:
+        """Raise if the engine cannot serve any more (a tensor-parallel worker died); cheap."""
+        if self.executor is not None:
+            self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any; the engine cannot step after this."""
+        if self.executor is not None:
+            self._close_executor()
 
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.get_stats()

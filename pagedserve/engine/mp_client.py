@@ -45,8 +45,10 @@ class PipeChannel:
         except (EOFError, OSError) as exc:
             raise ClientGone from exc
 
-    def wait(self) -> list[messages.ClientMessage]:
+    def wait(self, timeout: float | None = None) -> list[messages.ClientMessage]:
         try:
+            if not self._conn.poll(timeout):
+                return []
             first = self._conn.recv()
         except (EOFError, OSError) as exc:
             raise ClientGone from exc
@@ -87,7 +89,10 @@ def run_engine_core(
     except ClientGone:
         return
     if core is not None:
-        run_busy_loop(core, channel, on_warmed=lambda: freeze_heap("engine core, warmed up"))
+        try:
+            run_busy_loop(core, channel, on_warmed=lambda: freeze_heap("engine core, warmed up"))
+        finally:
+            core.shutdown()
 
 
 class MPEngineCoreClient(EngineCoreClient):

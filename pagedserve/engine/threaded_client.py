@@ -57,6 +57,7 @@ class ThreadedEngineCoreClient(EngineCoreClient):
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             await asyncio.to_thread(thread.join, 30.0)
+        self._engine.shutdown()
 
     async def add_request(self, request: messages.EngineCoreRequest) -> None:
         self._check_alive()

@@ -17,6 +17,7 @@ from pagedserve.config import (
     EngineConfig,
     ModelConfig,
     ModelSpec,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     parse_size,
@@ -167,6 +168,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="torch intra-op threads (default: the CPUs of the affinity mask, capped by the cgroup CPU quota)",
     )
     engine.add_argument("--max-logprobs", type=int, default=20)
+    engine.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N processes on this machine (by attention heads, MLP features and "
+        "vocabulary), each with an equal share of the threads (docs/tensor-parallelism.md)",
+    )
     engine.add_argument(
         "--speculative-config",
         type=_speculative_config_arg,
@@ -417,6 +427,10 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig | None:
         return None
     if args.engine_core == "thread":
         raise ValueError("--engine-core thread runs the engine in the server process; it cannot have replicas")
+    if args.tensor_parallel_size > 1:
+        raise ValueError(
+            "--tensor-parallel-size runs in one server on one machine; it cannot be combined with replicas"
+        )
     defaults = ClusterConfig()
     return ClusterConfig(
         ray_address=args.ray_address,
@@ -488,6 +502,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         max_logprobs=args.max_logprobs,
         speculative=args.speculative_config,
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
     )
 
 

@@ -224,7 +224,8 @@ def _print_banner(url: str, info: ModelInfo, names: tuple[str, ...], config: Ser
         f"pagedserve {__version__} serving {served} ({info.engine_name} engine) on {url}",
         f"  OpenAI API: {url}/v1   TGI API: {url}/generate   docs: {url}/docs   metrics: {url}/metrics",
         f"  context: {info.max_model_len} tokens"
-        + (f"   threads: {info.num_threads} ({info.threads_reason})" if info.num_threads else ""),
+        + (f"   threads: {info.num_threads} ({info.threads_reason})" if info.num_threads else "")
+        + (f"   tensor parallel: {info.tensor_parallel_size} ranks" if info.tensor_parallel_size > 1 else ""),
         f"  KV cache: {kv}",
         f"  API key: {'required' if config.http.api_keys else 'none'}   "
         f"admin API: {'on' if config.admin_key else 'off'}   "

@@ -9,7 +9,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, parse_size
+from pagedserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    parse_size,
+)
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.entrypoints.input_checks import ModelLimits
@@ -52,6 +60,7 @@ class LLM:
         quantization_group_size: int = 32,
         quantization_symmetric: bool = False,
         speculative_config: dict | SpeculativeConfig | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -85,6 +94,7 @@ class LLM:
                 if isinstance(speculative_config, dict)
                 else speculative_config
             ),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         )
         self._attach(LLMEngine(config))
 

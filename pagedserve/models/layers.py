@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.models.quantization import GroupQuantized, QuantizedWeight
+from pagedserve.models.tensor_parallel import TensorParallel
 
 # Up to this many rows (tokens in a step) the AMX kernel beats oneDNN's packed matmul on the
 # default model's shapes; from about 256 rows (prefill) oneDNN is as fast or faster
@@ -30,6 +31,11 @@ class Linear(nn.Module):
     one (tied embeddings). ``quant`` (set by ``quantize_model``) replaces the weight by a
     quantized one; a GGUF loader hands its quantized shards to ``weight_loader`` as
     ``GroupQuantized`` and ``install_staged_quant`` joins them.
+
+    Under tensor parallelism a layer holds one rank's slice and ``weight_loader`` cuts it from the
+    whole checkpoint tensor: ``row_slices`` gives ``(start, size)`` of the output rows kept from each
+    shard (key None for an unpacked weight; column-parallel layers), ``col_slice`` the input features
+    kept (``RowParallelLinear``). ``in_features`` / ``out_features`` are the slice's sizes.
     """
 
     def __init__(
@@ -40,8 +46,12 @@ class Linear(nn.Module):
         shard_sizes: dict[str | int, int] | None = None,
         dtype: torch.dtype | None = None,
         weight: nn.Parameter | None = None,
+        row_slices: dict[str | int | None, tuple[int, int]] | None = None,
+        col_slice: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
+        self.row_slices = row_slices
+        self.col_slice = col_slice
         self.in_features = in_features
         self.out_features = out_features
         if weight is None:
@@ -73,15 +83,19 @@ class Linear(nn.Module):
         return self.packed_weight is not None or self.vnni_weight is not None or self.quant is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` with whichever copy of the weight the kernels use."""
         if self.quant is not None:
-            return self.quant.matmul(x, self.bias)
+            return self.quant.matmul(x, bias)
         if self.vnni_weight is not None:
-            return self.vnni_kernels.linear_avx512_bf16(x, self.vnni_weight, self.bias)
+            return self.vnni_kernels.linear_avx512_bf16(x, self.vnni_weight, bias)
         if self.amx_weight is not None and x.dim() == 2 and x.size(0) <= AMX_LINEAR_MAX_ROWS:
-            return self.amx_kernels.linear_amx(x, self.amx_weight, self.bias)
+            return self.amx_kernels.linear_amx(x, self.amx_weight, bias)
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
 
     def pack_weight(
         self,
@@ -126,6 +140,7 @@ class Linear(nn.Module):
         a quantized weight (or shard) is kept aside for ``install_staged_quant``."""
         if self.is_packed:
             raise RuntimeError("weights cannot be loaded into a Linear after pack_weight()")
+        loaded = self._local_slice(loaded, shard_id)
         if isinstance(loaded, GroupQuantized):
             expected = (
                 self.shard_offsets[shard_id][1] if shard_id is not None else self.out_features,
@@ -142,6 +157,22 @@ class Linear(nn.Module):
         if target.shape != loaded.shape:
             raise ValueError(f"shape mismatch: parameter {tuple(target.shape)} vs checkpoint {tuple(loaded.shape)}")
         target.copy_(loaded)
+
+    def _local_slice(
+        self, loaded: torch.Tensor | GroupQuantized, shard_id: str | int | None
+    ) -> torch.Tensor | GroupQuantized:
+        """This rank's part of a whole checkpoint tensor (itself without tensor parallelism). A quantized
+        weight whose input slice would cut its groups is dequantized first."""
+        if self.row_slices is not None:
+            loaded = loaded.narrow(0, *self.row_slices[shard_id])
+        if self.col_slice is not None and len(loaded.shape) == 2:  # a weight; the bias keeps every output
+            if isinstance(loaded, GroupQuantized):
+                try:
+                    return loaded.narrow(1, *self.col_slice)
+                except ValueError:
+                    loaded = loaded.dequantize(self.weight.dtype)
+            loaded = loaded.narrow(1, *self.col_slice)
+        return loaded
 
     def install_staged_quant(self) -> None:
         """Make the staged quantized shards this layer's weight (``quant``); a layer whose shards
@@ -161,11 +192,39 @@ class Linear(nn.Module):
         self.staged_quant = {}
 
     def extra_repr(self) -> str:
-        packed = ", packed" if self.packed_weight is not None else ""
+        packed = f", rows {self.row_slices}" if self.row_slices is not None else ""
+        packed += f", inputs {self.col_slice}" if self.col_slice is not None else ""
+        packed += ", packed" if self.packed_weight is not None else ""
         packed += ", amx" if self.amx_weight is not None else ""
         packed += ", avx512-bf16" if self.vnni_weight is not None else ""
         packed += f", quantized ({type(self.quant).__name__})" if self.quant is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{packed}"
+
+
+class RowParallelLinear(Linear):
+    """A Linear over one rank's slice of the input features (``col_slice``); the ranks' partial
+    outputs are summed (all-reduce) and the bias is added once, after the sum.
+
+    Attention's output projection and the MLP's down projection: their inputs are the rank's own
+    heads and MLP features, so the only communication of a layer is this sum.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tensor_parallel: TensorParallel,
+        col_slice: tuple[int, int],
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype, col_slice=col_slice)
+        self.tensor_parallel = tensor_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = self.matmul(x, None)  # [num_tokens, out_features]: this rank's share of the sum
+        out = self.tensor_parallel.all_reduce_(partial)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class Embedding(nn.Module):
@@ -200,6 +259,33 @@ class Embedding(nn.Module):
     def install_staged_quant(self) -> None:
         if self.staged_quant is not None:
             self.quant, self.staged_quant = self.staged_quant.to(self.weight.device), None
+
+
+class VocabParallelEmbedding(Embedding):
+    """One rank's rows ``[vocab_start, vocab_start + num_embeddings)`` of the embedding table: ids
+    outside them look up zeros, and the ranks' lookups are summed (all-reduce), so every rank ends
+    with every token's row."""
+
+    def __init__(
+        self,
+        vocab_slice: tuple[int, int],
+        embedding_dim: int,
+        tensor_parallel: TensorParallel,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(vocab_slice[1], embedding_dim, dtype=dtype)
+        self.vocab_start = vocab_slice[0]
+        self.tensor_parallel = tensor_parallel
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, embedding_dim]
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)  # [num_tokens]
+        rows = super().forward(local.masked_fill(outside, 0))
+        rows.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tensor_parallel.all_reduce_(rows)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | GroupQuantized, shard_id: None = None) -> None:
+        super().weight_loader(param, loaded.narrow(0, self.vocab_start, self.num_embeddings))
 
 
 class RMSNorm(nn.Module):

@@ -2,6 +2,12 @@
 
 Differences between the members are config flags: ``attention_bias`` / Qwen2's q/k/v bias,
 ``mlp_bias``, ``tie_word_embeddings``, ``head_dim``, ``rope_theta`` and ``rope_scaling``.
+
+Under tensor parallelism (``TensorParallel`` with more than one rank) each rank holds whole GQA
+groups of attention heads (its slice of the fused QKV rows, of the O projection's inputs and of the
+KV cache), a slice of the MLP's features (gate/up rows, down inputs) and a slice of the vocabulary
+(embedding rows and lm_head rows); a layer's two row-parallel projections sum over the ranks, the
+embedding sums its lookups, and the logits are gathered, so every rank sees every row of the logits.
 """
 
 from __future__ import annotations
@@ -15,7 +21,17 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedserve.models.attention import AttentionMetadata, paged_attention
-from pagedserve.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
+from pagedserve.models.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    apply_rotary_emb,
+)
+from pagedserve.models.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -24,33 +40,45 @@ def _head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _num_kv_heads(config: PretrainedConfig) -> int:
+def num_kv_heads(config: PretrainedConfig) -> int:
+    """The model's K/V heads (all ranks together)."""
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 class LlamaAttention(nn.Module):
     """Self-attention with one fused QKV projection; K/V go to (and are read from) the paged cache."""
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: PretrainedConfig, layer_idx: int, dtype: torch.dtype, tensor_parallel: TensorParallel
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = _num_kv_heads(config)
-        self.head_dim = _head_dim(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.head_dim = head_dim = _head_dim(config)
+        heads = tensor_parallel.head_slice(config.num_attention_heads, num_kv_heads(config))
+        self.num_heads = heads.num_heads  # this rank's
+        self.num_kv_heads = heads.num_kv_heads
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
         # NOTE: Qwen2 has q/k/v biases but no o_proj bias and no `attention_bias` flag.
         qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         o_bias = bool(getattr(config, "attention_bias", False))
+        q_rows = (heads.q_start * head_dim, self.q_size)
+        kv_rows = (heads.kv_start * head_dim, self.kv_size)
         self.qkv_proj = Linear(
             config.hidden_size,
             self.q_size + 2 * self.kv_size,
             bias=qkv_bias,
             shard_sizes={"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
             dtype=dtype,
+            row_slices={"q": q_rows, "k": kv_rows, "v": kv_rows} if tensor_parallel.is_parallel else None,
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
+        if tensor_parallel.is_parallel:
+            self.o_proj = RowParallelLinear(
+                self.q_size, config.hidden_size, tensor_parallel, q_rows, bias=o_bias, dtype=dtype
+            )
+        else:
+            self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
         self.fused_ops: ModuleType | None = None  # compiled bf16 ops (rotary_embedding_), set by the runner
 
     def forward(
@@ -78,12 +106,23 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection."""
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, tensor_parallel: TensorParallel) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * size, bias=bias, shard_sizes={0: size, 1: size}, dtype=dtype)
-        self.down_proj = Linear(size, config.hidden_size, bias=bias, dtype=dtype)
+        features = tensor_parallel.slice(config.intermediate_size)  # (start, size): this rank's features
+        size = features[1]
+        self.gate_up_proj = Linear(
+            config.hidden_size,
+            2 * size,
+            bias=bias,
+            shard_sizes={0: size, 1: size},
+            dtype=dtype,
+            row_slices={0: features, 1: features} if tensor_parallel.is_parallel else None,
+        )
+        if tensor_parallel.is_parallel:
+            self.down_proj = RowParallelLinear(size, config.hidden_size, tensor_parallel, features, bias, dtype)
+        else:
+            self.down_proj = Linear(size, config.hidden_size, bias=bias, dtype=dtype)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
@@ -93,10 +132,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention + MLP block; the residual stream is carried separately and added in the norms."""
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: PretrainedConfig, layer_idx: int, dtype: torch.dtype, tensor_parallel: TensorParallel
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, dtype, tensor_parallel)
+        self.mlp = LlamaMLP(config, dtype, tensor_parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
@@ -121,11 +162,16 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and the final norm."""
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, tensor_parallel: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        if tensor_parallel.is_parallel:
+            vocab = tensor_parallel.slice(config.vocab_size)
+            self.embed_tokens = VocabParallelEmbedding(vocab, config.hidden_size, tensor_parallel, dtype=dtype)
+        else:
+            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layer_idx, dtype) for layer_idx in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, layer_idx, dtype, tensor_parallel)
+            for layer_idx in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(
@@ -157,8 +203,9 @@ class LlamaForCausalLM(nn.Module):
 
     Parameters are created uninitialized in ``dtype`` on the current default device;
     ``load_weights`` fills them from Hugging Face-named tensors, packing q/k/v into
-    ``qkv_proj`` and gate/up into ``gate_up_proj``. ``num_layers``, ``num_kv_heads`` and
-    ``head_dim`` give the KV cache shape each layer expects.
+    ``qkv_proj`` and gate/up into ``gate_up_proj`` (each rank's slices of them under
+    ``tensor_parallel``). ``num_layers``, ``num_kv_heads`` (this rank's) and ``head_dim`` give the
+    KV cache shape each layer expects.
     """
 
     # HF name fragment -> (fused module name, shard id)
@@ -170,17 +217,32 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        dtype: torch.dtype = torch.float32,
+        tensor_parallel: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
+        tensor_parallel = tensor_parallel or TensorParallel.single()
+        self.tensor_parallel = tensor_parallel
         self.config = config
         self.dtype = dtype
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = _num_kv_heads(config)
         self.head_dim = _head_dim(config)
-        self.model = LlamaModel(config, dtype)
+        self.num_kv_heads = tensor_parallel.head_slice(config.num_attention_heads, num_kv_heads(config)).num_kv_heads
+        self.model = LlamaModel(config, dtype, tensor_parallel)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tied_weight = self.model.embed_tokens.weight if self.tie_word_embeddings else None
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype, weight=tied_weight)
+        vocab = tensor_parallel.slice(config.vocab_size)
+        self.vocab_sizes = tensor_parallel.slice_sizes(config.vocab_size)  # each rank's lm_head rows
+        self.lm_head = Linear(
+            config.hidden_size,
+            vocab[1],
+            dtype=dtype,
+            weight=tied_weight,
+            row_slices={None: vocab} if tensor_parallel.is_parallel else None,
+        )
 
     def forward(
         self,
@@ -197,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
         Not widened to float32 here: greedy rows take the argmax of the bf16 logits as they are
         (widening is exact, so the order is the same), and the sampler widens only when it needs to.
         """
-        return self.lm_head(hidden_states)
+        return self.tensor_parallel.gather_columns(self.lm_head(hidden_states), self.vocab_sizes)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors into the (fused) parameters; returns the names loaded.

@@ -22,10 +22,12 @@ from transformers import AutoConfig, PretrainedConfig
 from pagedserve.config import ModelConfig
 from pagedserve.models import gguf_loader
 from pagedserve.models.default_model import default_model_path
+from pagedserve.models.llama import num_kv_heads
 from pagedserve.models.names import derive_model_name
 from pagedserve.models.quantization import QuantizationConfig
 from pagedserve.models.quantize_model import quantize_model
 from pagedserve.models.registry import ModelLoadError, get_model_class
+from pagedserve.models.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +45,16 @@ class LoadedModel:
     max_model_len: int
     model_name: str
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # this rank's (all of them without tensor parallelism)
     head_dim: int
     vocab_size: int
     generation_config: dict[str, Any]
     quantization: str = "none"  # how the weights are stored: none | int8 | int4 | gguf
+    total_num_kv_heads: int = 0  # all ranks' K/V heads (KV cache sizing); 0: num_kv_heads
+
+    @property
+    def kv_heads_all_ranks(self) -> int:
+        return self.total_num_kv_heads or self.num_kv_heads
 
 
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
@@ -79,8 +86,11 @@ def _cpu_has_native_bf16() -> bool:
     return False
 
 
-def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedModel:
-    """Load the model ``model_config`` names (the default GGUF model when None) onto ``device``.
+def load_model(
+    model_config: ModelConfig, device: torch.device | str, tensor_parallel: TensorParallel | None = None
+) -> LoadedModel:
+    """Load the model ``model_config`` names (the default GGUF model when None) onto ``device``; under
+    ``tensor_parallel`` only this rank's slices of the weights are kept.
 
     Cheap checks (path, config, context length) run before the weights are read.
     Raises ``ModelLoadError`` with a message meant for the user.
@@ -109,10 +119,11 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
         eos_token_ids = _collect_eos_token_ids(hf_config, generation_config)
         weights = iter_safetensors_weights(path)
 
+    tensor_parallel = tensor_parallel or TensorParallel.single()
     logger.info("loading %s from %s as %s on %s", model_class.__name__, path, dtype, device)
     try:
         with torch.device(device):
-            model = model_class(hf_config, dtype=dtype)
+            model = model_class(hf_config, dtype=dtype, tensor_parallel=tensor_parallel)
         model.load_weights(weights)
         quantize_model(model, quantization)
     except ValueError as exc:
@@ -131,6 +142,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> LoadedM
         vocab_size=hf_config.vocab_size,
         generation_config=generation_config,
         quantization=quantization.method,
+        total_num_kv_heads=num_kv_heads(hf_config),
     )
 
 

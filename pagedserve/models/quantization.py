@@ -84,6 +84,20 @@ class GroupQuantized:
         zeros = self.zeros.repeat_interleave(factor, dim=1) if self.zeros is not None else None
         return GroupQuantized(self.values, self.scales.repeat_interleave(factor, dim=1), zeros, group_size)
 
+    def narrow(self, dim: int, start: int, size: int) -> GroupQuantized:
+        """A copy of rows (``dim`` 0) or input features (``dim`` 1) ``[start, start + size)``: one rank's
+        slice, holding no reference to the whole. Raises ValueError when input features would cut a group."""
+        g = self.group_size
+        if dim == 1 and (start % g or size % g):
+            raise ValueError(f"input features [{start}, {start + size}) cut groups of {g}")
+        group_start, groups = (start, size) if dim == 0 else (start // g, size // g)
+
+        def part(t: torch.Tensor, first: int, length: int) -> torch.Tensor:
+            return t.narrow(dim, first, length).clone()
+
+        zeros = part(self.zeros, group_start, groups) if self.zeros is not None else None
+        return GroupQuantized(part(self.values, start, size), part(self.scales, group_start, groups), zeros, g)
+
     @staticmethod
     def cat_rows(parts: list[GroupQuantized]) -> GroupQuantized:
         """Row-wise concatenation (fused q/k/v or gate/up shards); groups are made equal first."""

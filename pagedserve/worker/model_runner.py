@@ -1,9 +1,10 @@
 """ModelRunner: owns the model and the paged KV cache tensors, turns a SchedulerOutput into one forward pass and samples.
 
 Each step it builds flat inputs for all scheduled requests (decodes first, then prefill
-chunks and decodes with draft tokens): token ids, positions, slot mapping, block tables and
+chunks and decodes with draft tokens) as a ForwardPlan: token ids, positions, block tables and
 context lengths; runs the model once; takes logits only where a token is sampled (or prompt
-logprobs are asked); and samples.
+logprobs are asked); and samples. Under tensor parallelism the plan goes to the other ranks first
+(``send_plan``), which run ``run_plan`` alongside; sampling is this runner's alone.
 
 A decode with draft tokens (speculative decoding) is sampled at each of its positions, position
 ``j`` as if drafts ``0..j-1`` had been accepted (penalties and ``min_tokens`` see them); drafts are
@@ -30,6 +31,7 @@ from pagedserve.models.quantize_model import pack_quantized_weights, weight_byte
 from pagedserve.outputs import TokenLogprob
 from pagedserve.worker.cpu_fast_paths import can_pack_linear_weights, pack_linear_weights, use_fused_ops
 from pagedserve.worker.draft_model import DraftModelProposer
+from pagedserve.worker.forward_plan import ForwardPlan
 from pagedserve.worker.host_memory import kv_cache_tensors
 from pagedserve.worker.sampler import Sampler, SamplingRow
 
@@ -71,8 +73,10 @@ class ModelRunner:
         use_cpu_kernels: bool = True,
         batch_size_hint: int = 64,
         draft: LoadedModel | None = None,
+        send_plan: Callable[[ForwardPlan], None] | None = None,
     ) -> None:
         self.model = model
+        self.send_plan = send_plan  # tensor parallelism: hands each step's plan to the other ranks
         # wall seconds spent in the model forward and the logits, cumulative (pagedserve:model_forward_seconds).
         # NOTE: on CUDA the calls only launch kernels; their run time then lands in the sampler's host sync.
         self.forward_seconds = 0.0
@@ -133,57 +137,22 @@ class ModelRunner:
         ``[rows, vocab]`` in place before sampling."""
         for key in sched.finished_req_ids:  # first: a finished request's id may be in use again here
             self._generators.pop(key, None)
+        items = sched.scheduled
+        copies = sched.block_copies
         if self.drafter is not None:
             self.drafter.forget(sched.finished_req_ids)
-        if sched.block_copies:
-            self._copy_blocks(sched.block_copies)
-        items = sched.scheduled
-        if self.drafter is not None:
+            if copies:  # the draft model reads the copied blocks too
+                self._copy_blocks(copies)
+                copies = []
             self.drafter.propose(items)  # the draft model's tokens into the slots the scheduler left
-        input_ids: list[int] = []
-        positions: list[int] = []
-        for item in items:
-            start = item.request.num_computed_tokens
-            end = start + item.num_new_tokens
-            input_ids.extend(item.request.all_token_ids[start:end])  # with drafts: the last known token
-            input_ids.extend(item.spec_token_ids)
-            positions.extend(range(start, end))
-        meta = build_attention_metadata(
-            [item.request.num_computed_tokens for item in items],
-            [item.num_new_tokens for item in items],
-            [item.request.block_ids for item in items],
-            self.block_size,
-            self.device,
-            self.kernels,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [num_tokens]
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [num_tokens]
-        hidden = self._in_forward(self.model, ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
+        plan, rows, owners = self._plan(items, copies)
+        if self.send_plan is not None:
+            self.send_plan(plan)  # the other tensor-parallel ranks run the same forward
+        logits, prompt_logits = self.run_plan(plan)
 
-        sample_rows: list[int] = []  # flat token index of each sampled row
-        rows: list[SamplingRow] = []
-        owners: list[int] = []  # which item each row belongs to
-        for k, item in enumerate(items):
-            last = meta.query_start_loc[k + 1] - 1
-            if item.spec_token_ids:  # one row per verified position: the last known token's, then each draft's
-                first = last - len(item.spec_token_ids)
-                for j in range(len(item.spec_token_ids) + 1):
-                    sample_rows.append(first + j)
-                    rows.append(self._sampling_row(item, 0, item.spec_token_ids[:j]))
-                    owners.append(k)
-                continue
-            for s in range(item.num_samples):
-                sample_rows.append(last)
-                rows.append(self._sampling_row(item, s))
-                owners.append(k)
         sampled: list[list[int]] = [[] for _ in items]
         logprobs: list[list[TokenLogprob] | None] = [None for _ in items]
         if rows:
-            if sample_rows == list(range(hidden.shape[0])):
-                last_hidden = hidden  # a pure decode step: every token is sampled once, in order
-            else:
-                last_hidden = hidden[torch.tensor(sample_rows, device=self.device)]  # [rows, hidden]
-            logits = self._in_forward(self.model.compute_logits, last_hidden)  # [rows, vocab]
             if logits_mask is not None:
                 logits_mask(logits)
             tokens, token_logprobs = self.sampler(logits, rows)
@@ -200,12 +169,84 @@ class ModelRunner:
                     if logprobs[k] is not None:
                         del logprobs[k][num_emitted:]
         prompt_logprobs = [
-            self._prompt_logprobs(item, hidden, meta.query_start_loc[k])
+            self._prompt_logprobs(item, prompt_logits.get(k))
             if item.request.sampling_params.prompt_logprobs is not None
             else None
             for k, item in enumerate(items)
         ]
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _plan(
+        self, items: list[ScheduledRequest], copies: list[tuple[int, int]]
+    ) -> tuple[ForwardPlan, list[SamplingRow], list[int]]:
+        """The step's forward as plain lists, with the sampling rows (and which item owns each)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []  # flat token index of each sampled row
+        rows: list[SamplingRow] = []
+        owners: list[int] = []  # which item each row belongs to
+        prompt_logit_rows: list[tuple[int, int, int]] = []
+        for k, item in enumerate(items):
+            request = item.request
+            start = request.num_computed_tokens
+            end = start + item.num_new_tokens
+            first_row = len(input_ids)
+            input_ids.extend(request.all_token_ids[start:end])  # with drafts: the last known token
+            input_ids.extend(item.spec_token_ids)
+            positions.extend(range(start, end))
+            last = len(input_ids) - 1
+            if request.sampling_params.prompt_logprobs is not None:
+                # position p predicts token p + 1; only prompt tokens count
+                num_prompt_rows = min(end, request.num_prompt_tokens - 1) - start
+                if num_prompt_rows > 0:
+                    prompt_logit_rows.append((k, first_row, num_prompt_rows))
+            if item.spec_token_ids:  # one row per verified position: the last known token's, then each draft's
+                first = last - len(item.spec_token_ids)
+                for j in range(len(item.spec_token_ids) + 1):
+                    sample_rows.append(first + j)
+                    rows.append(self._sampling_row(item, 0, item.spec_token_ids[:j]))
+                    owners.append(k)
+                continue
+            for s in range(item.num_samples):
+                sample_rows.append(last)
+                rows.append(self._sampling_row(item, s))
+                owners.append(k)
+        plan = ForwardPlan(
+            block_copies=copies,
+            input_ids=input_ids,
+            positions=positions,
+            num_computed_tokens=[item.request.num_computed_tokens for item in items],
+            num_new_tokens=[item.num_new_tokens for item in items],
+            block_ids=[item.request.block_ids for item in items],
+            sample_rows=sample_rows,
+            prompt_logit_rows=prompt_logit_rows,
+        )
+        return plan, rows, owners
+
+    @torch.inference_mode()
+    def run_plan(self, plan: ForwardPlan) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+        """The forward of ``plan``: the sampled rows' logits ``[rows, vocab]`` (None without rows) and the
+        prompt-logprob rows' logits by request index. Every tensor-parallel rank runs this."""
+        if plan.block_copies:
+            self._copy_blocks(plan.block_copies)
+        meta = build_attention_metadata(
+            plan.num_computed_tokens, plan.num_new_tokens, plan.block_ids, self.block_size, self.device, self.kernels
+        )
+        ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)  # [num_tokens]
+        pos = torch.tensor(plan.positions, dtype=torch.long, device=self.device)  # [num_tokens]
+        hidden = self._in_forward(self.model, ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
+        logits = None
+        if plan.sample_rows:
+            if plan.sample_rows == list(range(hidden.shape[0])):
+                last_hidden = hidden  # a pure decode step: every token is sampled once, in order
+            else:
+                last_hidden = hidden[torch.tensor(plan.sample_rows, device=self.device)]  # [rows, hidden]
+            logits = self._in_forward(self.model.compute_logits, last_hidden)  # [rows, vocab]
+        prompt_logits = {
+            k: self.model.compute_logits(hidden[first : first + count])  # [count, vocab]
+            for k, first, count in plan.prompt_logit_rows
+        }
+        return logits, prompt_logits
 
     def _in_forward(self, fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
         """``fn(*args)``, its wall and CPU time added to ``forward_seconds`` / ``forward_cpu_seconds``."""
@@ -243,23 +284,22 @@ class ModelRunner:
             )
         return generator
 
-    def _prompt_logprobs(self, item: ScheduledRequest, hidden: torch.Tensor, start: int) -> list[TokenLogprob | None]:
-        """Logprobs of prompt tokens computed in this chunk (the first prompt token has none)."""
+    def _prompt_logprobs(self, item: ScheduledRequest, logits: torch.Tensor | None) -> list[TokenLogprob | None]:
+        """Logprobs of prompt tokens computed in this chunk from their rows' ``logits`` ``[m, vocab]``
+        (the first prompt token has none)."""
         request = item.request
         first = request.num_computed_tokens
         result: list[TokenLogprob | None] = [None] if first == 0 else []
-        # position p predicts token p + 1; only prompt tokens count
-        last = min(first + item.num_new_tokens, request.num_prompt_tokens - 1)
-        if last <= first:
+        if logits is None:
             return result
-        logits = self.model.compute_logits(hidden[start : start + (last - first)])  # [m, vocab]
+        m = logits.shape[0]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        targets = torch.tensor(request.prompt_token_ids[first + 1 : last + 1], device=logprobs.device)
+        targets = torch.tensor(request.prompt_token_ids[first + 1 : first + 1 + m], device=logprobs.device)
         chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
         ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
         n = request.sampling_params.prompt_logprobs or 0
         top_v, top_i = logprobs.topk(n, dim=-1) if n else (None, None)
-        for j in range(last - first):
+        for j in range(m):
             top = list(zip(top_i[j].tolist(), top_v[j].tolist())) if n else []
             result.append(TokenLogprob(int(targets[j]), float(chosen[j]), int(ranks[j]), top))
         return result

@@ -83,6 +83,12 @@ class FakeEngine:
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=len(self.requests), num_steps=self.steps, prefix_cache_queries=self.polls)
 
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
     def warmup(self) -> None:
         if self.fail_warmup:
             raise RuntimeError("boom in warmup")

@@ -26,6 +26,12 @@ def test_default_model_single_process():
     assert cfg.engine_config is spec.engine_config and cfg.names_of(spec) == ("SmolLM2-135M-Instruct",)
 
 
+def test_tensor_parallel_size_flag():
+    assert config().engine_config.parallel.tensor_parallel_size == 1
+    assert config("-tp", "2").engine_config.parallel.tensor_parallel_size == 2
+    assert config("--tensor-parallel-size", "3").engine_config.parallel.tensor_parallel_size == 3
+
+
 def test_served_model_names_are_aliases_of_the_single_model():
     cfg = config("--model", "/m/Llama-3.2-1B-Instruct-Q4_K_M.gguf", "--served-model-name", "x", "y")
     (spec,) = cfg.models
@@ -116,6 +122,10 @@ def test_memory_utilization_must_be_a_fraction(value, capsys):
         (["--cpus-per-replica", "2"], "--replicas N or --ray-address"),
         (["--ray-dashboard"], "--replicas N or --ray-address"),
         (["--replicas", "2", "--engine-core", "thread"], "cannot have replicas"),
+        (["--replicas", "2", "--tensor-parallel-size", "2"], "cannot be combined with replicas"),
+        (["-tp", "0"], "tensor_parallel_size must be a positive integer"),
+        (["-tp", "2", "--engine", "hf"], "tensor parallelism needs the paged engine"),
+        (["-tp", "2", "--speculative-config", '{"model": "/d"}'], "'draft_model' does not run with tensor_parallel"),
     ],
 )
 def test_bad_combinations(argv, message):

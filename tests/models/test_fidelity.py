@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.models.default_model import default_model_path
@@ -249,3 +249,63 @@ def test_a_draft_model_of_another_vocabulary_is_refused(loaded, tmp_path):
     spec = SpeculativeConfig("draft_model", model=save_random_draft(tmp_path, 128))
     with pytest.raises(ModelLoadError, match="vocabulary of 128 tokens"):
         make_llm(loaded, speculative=spec)
+
+
+def make_tensor_parallel_llm(world_size: int = 2, **overrides) -> LLM:
+    """``make_llm``'s engine with the model split over ``world_size`` processes (this one and workers)."""
+    cache = CacheConfig(block_size=16, kv_cache_memory=256 << 20, num_blocks_override=overrides.pop("num_blocks", None))
+    config = EngineConfig(
+        model=ModelConfig(dtype="float32"),
+        cache=cache,
+        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64),
+        device="cpu",
+        speculative=overrides.pop("speculative", None),
+        parallel=ParallelConfig(tensor_parallel_size=world_size),
+    )
+    return LLM.from_engine(LLMEngine(config))
+
+
+def test_tensor_parallel_alone_batched_on_a_prefix_hit_and_sampled(loaded, prompt_ids, reference):
+    # the default model over two ranks: 6 + 3 query heads (2 + 1 K/V heads), half the MLP and vocabulary each
+    llm = make_tensor_parallel_llm()
+    try:
+        assert llm.engine.runner.model.num_kv_heads == 2
+        alone = [llm.generate({"prompt_token_ids": ids}, greedy())[0] for ids in prompt_ids]
+        check_against_reference(alone, reference, "tensor parallel, alone")
+        again = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], greedy())
+        assert max(o.num_cached_tokens for o in again) >= 1024
+        check_against_reference(again, reference, "tensor parallel, prefix-cache hit")
+        llm.engine.kv_cache.pool.reset_prefix_cache()
+        fillers = [{"prompt": text} for text in FILLERS]
+        batched = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids] + fillers, greedy())
+        check_against_reference(batched[: len(prompt_ids)], reference, "tensor parallel, batched")
+        assert_no_leak(llm)
+
+        # n > 1, seeded: the same draws as one process makes from the same logits (up to float sums)
+        sampled = SamplingParams(n=3, temperature=0.8, top_p=0.95, seed=11, max_tokens=24)
+        prompts = [{"prompt_token_ids": ids} for ids in prompt_ids[:4]]
+        ours = [[s.token_ids for s in o.outputs] for o in llm.generate(prompts, sampled)]
+        single = make_llm(loaded)
+        theirs = [[s.token_ids for s in o.outputs] for o in single.generate(prompts, sampled)]
+        assert ours == theirs
+        assert any(len(set(map(tuple, samples))) > 1 for samples in ours)  # really sampled
+        assert_no_leak(llm)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_tensor_parallel_preempted_with_speculative_decoding(prompt_ids, reference):
+    # 175 usable blocks of 16 tokens, as in test_preemption_forced, with prompt-lookup drafts verified
+    spec = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=64)
+    order = [9, 10, 8, 11] + list(range(8))
+    llm = make_tensor_parallel_llm(num_blocks=176, speculative=spec)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": prompt_ids[i]} for i in order], greedy())
+        assert llm.engine.scheduler.num_preemptions > 0
+        check_against_reference(outputs, [reference[i] for i in order], "tensor parallel, preemption, speculative")
+        stats = llm.engine.get_stats()
+        assert stats.spec_num_accepted_tokens > 0
+        assert_no_leak(llm)
+    finally:
+        llm.engine.shutdown()
+    assert all(worker.proc.poll() is not None for worker in llm.engine.executor._workers)  # stopped
