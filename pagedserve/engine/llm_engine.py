@@ -60,6 +60,7 @@ class LLMEngine:
                 raise ValueError("a model loaded whole cannot be split over tensor-parallel ranks; pass none")
             self.device = rank_device(self.device, 0)
             self.executor = TensorParallelExecutor(config, self.device, threads.count)
+            tensor_parallel = self.executor.tensor_parallel
             # the workers stop when this engine is collected or the interpreter exits, whichever comes first
             self._close_executor = weakref.finalize(self, self.executor.close)
         try:

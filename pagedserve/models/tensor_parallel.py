@@ -1,9 +1,10 @@
 """Tensor parallelism inside the model: which slice of each weight this rank holds, and the two
 collectives the sharded layers need (a sum over ranks, a gather of vocabulary slices).
 
-``TensorParallel(rank, world_size)`` is built once per process and passed to the model's
+``TensorParallel(rank, world_size, collectives)`` is built once per process and passed to the model's
 constructor; with ``world_size`` 1 (``TensorParallel.single()``) every slice is the whole tensor
-and no collective runs. The process group (gloo on CPUs, NCCL on CUDA) is set up by the executor
+and no collective runs. The process group (gloo on CPUs, NCCL on CUDA) and the shared-memory
+collectives (``host_collectives.py``, used on CPUs) are set up by the executor
 (``pagedserve.worker.tensor_parallel_executor``) before the model is built.
 
 Slices are as even as possible (the first ``total % world_size`` ranks get one more), so a model
@@ -13,10 +14,12 @@ heads (each rank holds whole GQA groups: its K/V heads and the query heads that 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from pagedserve.models.host_collectives import HostCollectives
 
 
 def even_slice(total: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -43,6 +46,8 @@ class TensorParallel:
 
     rank: int = 0
     world_size: int = 1
+    # sums and gathers through shared memory (CPUs); None: torch.distributed's process group for all
+    collectives: HostCollectives | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -78,6 +83,8 @@ class TensorParallel:
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns it."""
         if self.world_size > 1:
+            if self.collectives is not None:
+                return self.collectives.all_reduce_(x)
             dist.all_reduce(x)
         return x
 
@@ -85,6 +92,8 @@ class TensorParallel:
         """``[n, sizes[rank]]`` on each rank -> ``[n, sum(sizes)]`` on every rank, in rank order."""
         if self.world_size == 1:
             return x
+        if self.collectives is not None:
+            return self.collectives.all_gather_columns(x, sizes)
         width = max(sizes)
         if x.shape[1] < width:  # NOTE: all_gather moves equal shapes; a short slice travels padded
             x = torch.nn.functional.pad(x, (0, width - x.shape[1]))

@@ -3,7 +3,9 @@ worker processes (ranks 1 .. N-1), forms the process group with them, hands each
 to them, watches that they stay alive, and stops them.
 
 The leader is the engine core itself: it schedules, runs rank 0's slice of the forward and samples;
-the workers only run their slices (``tensor_parallel_worker.py``). Each rank gets an equal share of
+the workers only run their slices (``tensor_parallel_worker.py``). On x86 CPUs the ranks sum and
+gather through shared memory (``models/host_collectives.py``, a file in /dev/shm that is unlinked as
+soon as every rank has mapped it); gloo (NCCL on CUDA) carries the rest. Each rank gets an equal share of
 the CPUs the engine may use, pinned where the affinity mask has enough of them (on CUDA, one GPU
 per rank). A worker that dies or fails takes the engine down: the next collective fails, or the idle
 engine's health check finds it, and the error names the rank, its pid and its exit code.
@@ -14,15 +16,20 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import platform
+import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection
 
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.models.host_collectives import HostCollectives, create_shm_file
+from pagedserve.models.tensor_parallel import TensorParallel
 from pagedserve.worker.forward_plan import ForwardPlan
 from pagedserve.worker.tensor_parallel_worker import (
     RunnerSetup,
@@ -81,6 +88,8 @@ class TensorParallelExecutor:
         self._workers: list[_Worker] = []
         self._closed = False
         self._store = None
+        self._shm_path: str | None = None
+        self.tensor_parallel = TensorParallel(0, self.world_size)  # rank 0's, with its collectives once started
         self._start(config)
 
     # ----------------------------------------------------------------- start-up
@@ -92,6 +101,11 @@ class TensorParallelExecutor:
                 "this process already belongs to a process group (another tensor-parallel engine)"
             )
         port = _free_port()
+        # NOTE: the shared-memory collectives rely on x86's in-order stores; other CPUs use gloo alone
+        if device_is_cpu := self.device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64"):
+            shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            self._shm_path = os.path.join(shm_dir, f"pagedserve-tp-{os.getpid()}-{secrets.token_hex(4)}")
+            create_shm_file(self._shm_path, self.world_size)
         try:
             for rank in range(1, self.world_size):
                 self._workers.append(self._spawn(rank))
@@ -107,6 +121,7 @@ class TensorParallelExecutor:
                         cpus=self.cpus[worker.rank],
                         timeout_s=COLLECTIVE_TIMEOUT_S,
                         log_level=logging.getLogger("pagedserve").getEffectiveLevel(),
+                        shm_path=self._shm_path,
                     )
                 )
             for worker in self._workers:
@@ -114,6 +129,11 @@ class TensorParallelExecutor:
             if self.cpus[0]:
                 os.sched_setaffinity(0, self.cpus[0])
             self._store = init_process_group(str(self.device), port, 0, self.world_size, COLLECTIVE_TIMEOUT_S, True)
+            if device_is_cpu:
+                collectives = HostCollectives(
+                    self._shm_path, 0, self.world_size, timeout_s=COLLECTIVE_TIMEOUT_S, peer_lost=self._lost_worker
+                )
+                self.tensor_parallel = TensorParallel(0, self.world_size, collectives)
         except BaseException:
             self.close()
             raise
@@ -144,6 +164,7 @@ class TensorParallelExecutor:
         """Wait for every worker to have loaded its slice of the model."""
         for worker in self._workers:
             self._expect(worker, WorkerLoaded)
+        self._remove_shm_file()  # every rank has it mapped: nothing is left behind, whatever happens next
 
     def build_runners(self, num_blocks: int, block_size: int, batch_size_hint: int) -> None:
         """Give the workers the KV cache's size and wait until each has built its runner."""
@@ -180,6 +201,13 @@ class TensorParallelExecutor:
                 worker.conn.send_bytes(data)
             except OSError:
                 raise self._dead_error(worker) from None
+
+    def _lost_worker(self) -> str | None:
+        """Why a worker is gone (it exited), or None while all run."""
+        for worker in self._workers:
+            if worker.proc.poll() is not None:
+                return f"tensor-parallel worker rank {worker.rank} (pid {worker.pid}) exited"
+        return None
 
     def check_health(self) -> None:
         """Raise TensorParallelError if a worker has exited."""
@@ -245,6 +273,15 @@ class TensorParallelExecutor:
             except Exception:  # noqa: BLE001 - the workers are gone already
                 pass
         self._store = None
+        self._remove_shm_file()
+
+    def _remove_shm_file(self) -> None:
+        if self._shm_path is not None:
+            try:
+                os.unlink(self._shm_path)
+            except FileNotFoundError:
+                pass
+            self._shm_path = None
 
 
 def _free_port() -> int:

@@ -35,6 +35,7 @@ class WorkerSetup:
     cpus: tuple[int, ...]  # CPUs to pin the process to; empty: not pinned
     timeout_s: float  # the process group's timeout for one collective
     log_level: int
+    shm_path: str | None  # the shared-memory collectives' file (CPUs); None: the process group only
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,7 @@ def init_process_group(device: str, store_port: int, rank: int, world_size: int,
 def _serve(conn: Connection, setup: WorkerSetup) -> None:
     import torch
 
+    from pagedserve.models.host_collectives import HostCollectives
     from pagedserve.models.loader import load_model
     from pagedserve.models.tensor_parallel import TensorParallel
     from pagedserve.worker.model_runner import ModelRunner
@@ -94,8 +96,18 @@ def _serve(conn: Connection, setup: WorkerSetup) -> None:
         torch.cuda.set_device(device)
     conn.send(WorkerJoining(os.getpid()))
     init_process_group(setup.device, setup.store_port, setup.rank, setup.world_size, setup.timeout_s, False)
+    collectives = None
+    if setup.shm_path is not None:
+        leader = os.getppid()
+        collectives = HostCollectives(
+            setup.shm_path,
+            setup.rank,
+            setup.world_size,
+            timeout_s=setup.timeout_s,
+            peer_lost=lambda: "the leader exited" if os.getppid() != leader else None,
+        )
     config = setup.config
-    loaded = load_model(config.model, device, TensorParallel(setup.rank, setup.world_size))
+    loaded = load_model(config.model, device, TensorParallel(setup.rank, setup.world_size, collectives))
     conn.send(WorkerLoaded(loaded.num_kv_heads))
     runner_setup: RunnerSetup = conn.recv()
     runner = ModelRunner(
