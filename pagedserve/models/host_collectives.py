@@ -72,6 +72,8 @@ class HostCollectives:
         self._sequences = self._buffer[: world_size * LINE_BYTES].numpy().view(np.int64)[:: LINE_BYTES // 8]
         self._data = self._buffer[world_size * LINE_BYTES :].view(2, world_size, slot_bytes)
         self._sequence = 0
+        # (buffer, dtype, shape) -> every rank's slot viewed as that tensor: a step repeats a few shapes
+        self._views: dict[tuple[int, torch.dtype, torch.Size], list[torch.Tensor]] = {}
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.numel() * x.element_size() <= self.slot_bytes
@@ -80,14 +82,19 @@ class HostCollectives:
         """Publish ``x`` and return every rank's tensor of the same shape (views into shared memory)."""
         self._sequence += 1
         sequence = self._sequence
-        slots = self._data[sequence % 2]  # [world_size, slot_bytes]
-        nbytes = x.numel() * x.element_size()
-        mine = slots[self.rank, :nbytes].view(x.dtype).view(x.shape)
-        mine.copy_(x)
+        key = (sequence % 2, x.dtype, x.shape)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) > 64:  # shapes change with the batch; keep the recent ones
+                self._views.clear()
+            slots = self._data[sequence % 2]  # [world_size, slot_bytes]
+            nbytes = x.numel() * x.element_size()
+            views = self._views[key] = [slots[r, :nbytes].view(x.dtype).view(x.shape) for r in range(self.world_size)]
+        views[self.rank].copy_(x)
         # NOTE: x86 keeps stores in order, so the data is visible before the number that announces it
         self._sequences[self.rank] = sequence
         self._wait_for(sequence)
-        return [slots[r, :nbytes].view(x.dtype).view(x.shape) for r in range(self.world_size)]
+        return views
 
     def _wait_for(self, sequence: int) -> None:
         sequences = self._sequences

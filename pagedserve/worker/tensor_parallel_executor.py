@@ -102,7 +102,7 @@ class TensorParallelExecutor:
             )
         port = _free_port()
         # NOTE: the shared-memory collectives rely on x86's in-order stores; other CPUs use gloo alone
-        if device_is_cpu := self.device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64"):
+        if use_shared_memory := self.device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64"):
             shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
             self._shm_path = os.path.join(shm_dir, f"pagedserve-tp-{os.getpid()}-{secrets.token_hex(4)}")
             create_shm_file(self._shm_path, self.world_size)
@@ -129,7 +129,7 @@ class TensorParallelExecutor:
             if self.cpus[0]:
                 os.sched_setaffinity(0, self.cpus[0])
             self._store = init_process_group(str(self.device), port, 0, self.world_size, COLLECTIVE_TIMEOUT_S, True)
-            if device_is_cpu:
+            if use_shared_memory:
                 collectives = HostCollectives(
                     self._shm_path, 0, self.world_size, timeout_s=COLLECTIVE_TIMEOUT_S, peer_lost=self._lost_worker
                 )
