@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import platform
 import secrets
 import socket
@@ -195,10 +194,9 @@ class TensorParallelExecutor:
 
     # ----------------------------------------------------------------- steps
     def send_plan(self, plan: ForwardPlan) -> None:
-        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
         for worker in self._workers:
             try:
-                worker.conn.send_bytes(data)
+                worker.conn.send(plan)
             except OSError:
                 raise self._dead_error(worker) from None
 
@@ -252,10 +250,9 @@ class TensorParallelExecutor:
         if self._closed:
             return
         self._closed = True
-        stop = pickle.dumps(None)
         for worker in self._workers:
             try:
-                worker.conn.send_bytes(stop)
+                worker.conn.send(None)
             except OSError:
                 pass
         for worker in self._workers:

@@ -6,8 +6,8 @@ that the messages' classes pickle under this module's name), where FD is its end
 to the leader. The exchange over it: the leader sends a
 ``WorkerSetup``; the worker answers ``WorkerJoining`` and joins the process group, loads its slice and
 answers ``WorkerLoaded``; the leader sends a ``RunnerSetup`` (the KV cache's size, decided from the
-whole model) and the worker answers ``WorkerReady``. From then on each message is a pickled
-ForwardPlan, or None to stop. Any failure is sent as ``WorkerFailed`` and the worker exits with 1;
+whole model) and the worker answers ``WorkerReady``. From then on each message is a ForwardPlan, or
+None to stop. Any failure is sent as ``WorkerFailed`` and the worker exits with 1;
 the leader's end closing (the engine gone) ends it quietly.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -125,7 +124,7 @@ def _serve(conn: Connection, setup: WorkerSetup) -> None:
     )
     conn.send(WorkerReady(runner.weight_bytes))
     while True:
-        plan = pickle.loads(conn.recv_bytes())
+        plan = conn.recv()
         if plan is None:
             return
         runner.run_plan(plan)
