@@ -27,7 +27,7 @@ from pagedserve.outputs import FinishReason
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.manager import StructuredOutputManager, build_compiler
 from pagedserve.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
-from pagedserve.worker.tensor_parallel_executor import TensorParallelExecutor, rank_device
+from pagedserve.worker.tensor_parallel_executor import TensorParallelError, TensorParallelExecutor, rank_device
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class LLMEngine:
         torch.set_num_threads(threads.count)
         self.device = resolve_device(config.device)
         self.executor: TensorParallelExecutor | None = None
+        self._tensor_parallel_failure: TensorParallelError | None = None  # set once a step failed mid-way
         tensor_parallel = TensorParallel(0, tp_size)
         if tp_size > 1:
             if loaded is not None:
@@ -245,6 +246,8 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[EngineCoreOutput]:
+        if self._tensor_parallel_failure is not None:
+            raise self._tensor_parallel_failure
         start = time.perf_counter()
         if self._busy_since is not None:  # the engine had work since the last step began
             self._busy_seconds += start - self._busy_since
@@ -259,8 +262,15 @@ class LLMEngine:
         structured.release(sched.finished_req_ids, self.scheduler.requests.__contains__)
         try:
             result = self.runner.execute_model(sched, structured.logits_mask(sched))
-        except Exception as exc:
-            cause = self.executor.explain_failure(exc) if self.executor is not None else None
+        except BaseException as exc:
+            if self.executor is None:
+                raise
+            # the ranks may now be at different collectives: this engine cannot step again
+            cause = self.executor.explain_failure(exc)
+            self._tensor_parallel_failure = TensorParallelError(
+                f"a step failed, the tensor-parallel workers were stopped: {cause or repr(exc)}"
+            )
+            self.shutdown()
             if cause is not None:
                 raise cause from exc
             raise
@@ -287,6 +297,8 @@ class LLMEngine:
 
     def check_health(self) -> None:
         """Raise if the engine cannot serve any more (a tensor-parallel worker died); cheap."""
+        if self._tensor_parallel_failure is not None:
+            raise self._tensor_parallel_failure
         if self.executor is not None:
             self.executor.check_health()
 

@@ -44,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a rank that hangs (not dies) inside a collective fails the step after this
 START_TIMEOUT_S = 600.0  # a worker's start, model load and runner build together
-EXIT_WAIT_S = 5.0  # how long a worker may take to stop before it is killed
+EXIT_WAIT_S = 5.0  # how long the workers may take to stop before they are killed
+FAILURE_WAIT_S = 2.0  # after a failed step: how long a worker whose death caused it may take to be reaped
 WORKER_ENTRY = "import sys; from pagedserve.worker.tensor_parallel_worker import main; sys.exit(main(int(sys.argv[1])))"
 
 
@@ -100,11 +101,15 @@ class TensorParallelExecutor:
                 "this process already belongs to a process group (another tensor-parallel engine)"
             )
         port = _free_port()
+        collectives = None
         # NOTE: the shared-memory collectives rely on x86's in-order stores; other CPUs use gloo alone
-        if use_shared_memory := self.device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64"):
+        if self.device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64"):
             shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
             self._shm_path = os.path.join(shm_dir, f"pagedserve-tp-{os.getpid()}-{secrets.token_hex(4)}")
             create_shm_file(self._shm_path, self.world_size)
+            collectives = HostCollectives(
+                self._shm_path, 0, self.world_size, timeout_s=COLLECTIVE_TIMEOUT_S, peer_lost=self._lost_worker
+            )
         try:
             for rank in range(1, self.world_size):
                 self._workers.append(self._spawn(rank))
@@ -125,14 +130,11 @@ class TensorParallelExecutor:
                 )
             for worker in self._workers:
                 self._expect(worker, WorkerJoining)
+            self._remove_shm_file()  # every rank has it mapped: nothing is left behind, whatever happens next
             if self.cpus[0]:
                 os.sched_setaffinity(0, self.cpus[0])
             self._store = init_process_group(str(self.device), port, 0, self.world_size, COLLECTIVE_TIMEOUT_S, True)
-            if use_shared_memory:
-                collectives = HostCollectives(
-                    self._shm_path, 0, self.world_size, timeout_s=COLLECTIVE_TIMEOUT_S, peer_lost=self._lost_worker
-                )
-                self.tensor_parallel = TensorParallel(0, self.world_size, collectives)
+            self.tensor_parallel = TensorParallel(0, self.world_size, collectives)
         except BaseException:
             self.close()
             raise
@@ -163,7 +165,6 @@ class TensorParallelExecutor:
         """Wait for every worker to have loaded its slice of the model."""
         for worker in self._workers:
             self._expect(worker, WorkerLoaded)
-        self._remove_shm_file()  # every rank has it mapped: nothing is left behind, whatever happens next
 
     def build_runners(self, num_blocks: int, block_size: int, batch_size_hint: int) -> None:
         """Give the workers the KV cache's size and wait until each has built its runner."""
@@ -216,7 +217,7 @@ class TensorParallelExecutor:
     def explain_failure(self, exc: BaseException) -> TensorParallelError | None:
         """After a step failed with ``exc``: the worker failure behind it, if a worker failed or died (a
         peer's death reaches the others as a failed collective, maybe a moment before it is reaped)."""
-        deadline = time.monotonic() + EXIT_WAIT_S
+        deadline = time.monotonic() + FAILURE_WAIT_S
         while True:
             for worker in self._workers:
                 if worker.proc.poll() is not None:
@@ -255,9 +256,10 @@ class TensorParallelExecutor:
                 worker.conn.send(None)
             except OSError:
                 pass
+        deadline = time.monotonic() + EXIT_WAIT_S  # one wait for all of them
         for worker in self._workers:
             try:
-                worker.proc.wait(EXIT_WAIT_S)
+                worker.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 worker.proc.kill()
                 worker.proc.wait()

@@ -4,7 +4,7 @@ ModelRunner over its slice of the KV cache, then runs every ForwardPlan the lead
 Started by ``TensorParallelExecutor`` as a fresh interpreter running ``main(FD)`` (imported, so
 that the messages' classes pickle under this module's name), where FD is its end of a socket pair
 to the leader. The exchange over it: the leader sends a
-``WorkerSetup``; the worker answers ``WorkerJoining`` and joins the process group, loads its slice and
+``WorkerSetup``; the worker maps the shared-memory collectives' file, answers ``WorkerJoining``, joins the process group, loads its slice and
 answers ``WorkerLoaded``; the leader sends a ``RunnerSetup`` (the KV cache's size, decided from the
 whole model) and the worker answers ``WorkerReady``. From then on each message is a ForwardPlan, or
 None to stop. Any failure is sent as ``WorkerFailed`` and the worker exits with 1;
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -93,10 +94,8 @@ def _serve(conn: Connection, setup: WorkerSetup) -> None:
     device = torch.device(setup.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    conn.send(WorkerJoining(os.getpid()))
-    init_process_group(setup.device, setup.store_port, setup.rank, setup.world_size, setup.timeout_s, False)
     collectives = None
-    if setup.shm_path is not None:
+    if setup.shm_path is not None:  # mapped before the leader hears from us: it then removes the file
         leader = os.getppid()
         collectives = HostCollectives(
             setup.shm_path,
@@ -105,10 +104,14 @@ def _serve(conn: Connection, setup: WorkerSetup) -> None:
             timeout_s=setup.timeout_s,
             peer_lost=lambda: "the leader exited" if os.getppid() != leader else None,
         )
+    conn.send(WorkerJoining(os.getpid()))
+    init_process_group(setup.device, setup.store_port, setup.rank, setup.world_size, setup.timeout_s, False)
     config = setup.config
     loaded = load_model(config.model, device, TensorParallel(setup.rank, setup.world_size, collectives))
     conn.send(WorkerLoaded(loaded.num_kv_heads))
-    runner_setup: RunnerSetup = conn.recv()
+    runner_setup: RunnerSetup | None = conn.recv()
+    if runner_setup is None:  # the leader failed to start and stops us
+        return
     runner = ModelRunner(
         loaded.model,
         num_layers=loaded.num_layers,
@@ -131,10 +134,16 @@ def _serve(conn: Connection, setup: WorkerSetup) -> None:
 
 
 def main(fd: int) -> int:
+    # Ctrl-C and a SIGTERM to the server's process group are the server's to handle (it drains, then stops
+    # the engine, which stops us); the leader's end closing or the leader exiting ends a worker too
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     try:
-        setup: WorkerSetup = conn.recv()
+        setup: WorkerSetup | None = conn.recv()
     except (EOFError, OSError):
+        return 0
+    if setup is None:
         return 0
     logging.basicConfig(
         level=setup.log_level, format=f"%(asctime)s %(levelname)s [tp rank {setup.rank}] %(name)s: %(message)s"

@@ -24,6 +24,7 @@ from pagedserve.models.default_model import default_model_path
 from pagedserve.models.loader import load_model
 from pagedserve.models.registry import ModelLoadError
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.tensor_parallel_executor import TensorParallelError
 from tests.models.fidelity_prompts import fidelity_prompts
 from tests.utils import TINY_CONFIG, assert_no_leak
 
@@ -306,6 +307,17 @@ def test_tensor_parallel_preempted_with_speculative_decoding(prompt_ids, referen
         stats = llm.engine.get_stats()
         assert stats.spec_num_accepted_tokens > 0
         assert_no_leak(llm)
+
+        # a step that fails after its plan went to the workers leaves the ranks out of step: the engine
+        # stops them and refuses to step again, rather than pairing the wrong collectives
+        def failing_run_plan(plan):
+            raise RuntimeError("injected after the plan was sent")
+
+        llm.engine.runner.run_plan = failing_run_plan
+        with pytest.raises(RuntimeError, match="injected after the plan was sent"):
+            llm.generate("Hello", greedy())
+        with pytest.raises(TensorParallelError, match="the tensor-parallel workers were stopped"):
+            llm.generate("Hello", greedy())
     finally:
         llm.engine.shutdown()
     assert all(worker.proc.poll() is not None for worker in llm.engine.executor._workers)  # stopped
