@@ -89,6 +89,7 @@ class TensorParallelExecutor:
         self._closed = False
         self._store = None
         self._shm_path: str | None = None
+        self._own_affinity: set[int] | None = None  # this thread's CPUs before rank 0 was pinned
         self.tensor_parallel = TensorParallel(0, self.world_size)  # rank 0's, with its collectives once started
         self._start(config)
 
@@ -132,6 +133,7 @@ class TensorParallelExecutor:
                 self._expect(worker, WorkerJoining)
             self._remove_shm_file()  # every rank has it mapped: nothing is left behind, whatever happens next
             if self.cpus[0]:
+                self._own_affinity = os.sched_getaffinity(0)  # given back at close (an offline LLM's process)
                 os.sched_setaffinity(0, self.cpus[0])
             self._store = init_process_group(str(self.device), port, 0, self.world_size, COLLECTIVE_TIMEOUT_S, True)
             self.tensor_parallel = TensorParallel(0, self.world_size, collectives)
@@ -273,6 +275,12 @@ class TensorParallelExecutor:
                 pass
         self._store = None
         self._remove_shm_file()
+        if self._own_affinity is not None:
+            try:
+                os.sched_setaffinity(0, self._own_affinity)
+            except OSError:
+                pass
+            self._own_affinity = None
 
     def _remove_shm_file(self) -> None:
         if self._shm_path is not None:
