@@ -45,12 +45,12 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        budget = thread_budget(config.num_threads)
+        threads = thread_budget(config.num_threads)
         tp_size = config.parallel.tensor_parallel_size
-        # tensor parallelism: each rank (this process and tp_size - 1 workers) gets an equal share of the CPUs
-        threads = CpuBudget(max(1, budget.count // tp_size), budget.reason)
-        if tp_size > 1:
-            threads = CpuBudget(threads.count, f"per rank: {budget.count}, {budget.reason}, over {tp_size} ranks")
+        if tp_size > 1:  # each rank (this process and tp_size - 1 workers) gets an equal share of the CPUs
+            threads = CpuBudget(
+                max(1, threads.count // tp_size), f"per rank: {threads.count}, {threads.reason}, over {tp_size} ranks"
+            )
         torch.set_num_threads(threads.count)
         self.device = resolve_device(config.device)
         self.executor: TensorParallelExecutor | None = None

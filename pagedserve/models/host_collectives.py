@@ -127,17 +127,16 @@ class HostCollectives:
             x.add_(part)
         return x
 
-    def all_gather_columns(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """``[n, sizes[rank]]`` from each rank -> ``[n, sum(sizes)]`` on every rank."""
-        width = max(sizes)
-        if x.shape[1] < width:  # NOTE: slots (and gloo's all_gather) move equal shapes; a short slice is padded
-            x = torch.nn.functional.pad(x, (0, width - x.shape[1]))
-        if self.fits(x):
-            parts = self._exchange(x.contiguous())
-        else:
-            parts = [torch.empty_like(x) for _ in range(self.world_size)]
-            dist.all_gather(parts, x.contiguous())
-        return torch.cat([part[:, :size] for part, size in zip(parts, sizes, strict=True)], dim=1)
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x`` (the same shape on every rank), in rank order; read them before the next call."""
+        return self._exchange(x.contiguous()) if self.fits(x) else dist_all_gather(x)
 
 
-__all__ = ["HostCollectives", "PeerLost", "create_shm_file"]
+def dist_all_gather(x: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``x`` through torch.distributed's process group, in rank order."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return parts
+
+
+__all__ = ["HostCollectives", "PeerLost", "create_shm_file", "dist_all_gather"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pagedserve.models.host_collectives import HostCollectives
+from pagedserve.models.host_collectives import HostCollectives, dist_all_gather
 
 
 def even_slice(total: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -92,13 +92,10 @@ class TensorParallel:
         """``[n, sizes[rank]]`` on each rank -> ``[n, sum(sizes)]`` on every rank, in rank order."""
         if self.world_size == 1:
             return x
-        if self.collectives is not None:
-            return self.collectives.all_gather_columns(x, sizes)
         width = max(sizes)
-        if x.shape[1] < width:  # NOTE: all_gather moves equal shapes; a short slice travels padded
+        if x.shape[1] < width:  # NOTE: a gather moves equal shapes; a short slice travels padded
             x = torch.nn.functional.pad(x, (0, width - x.shape[1]))
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous())
+        parts = self.collectives.all_gather(x) if self.collectives is not None else dist_all_gather(x)
         return torch.cat([part[:, :size] for part, size in zip(parts, sizes, strict=True)], dim=1)
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.models.host_collectives import HostCollectives, PeerLost, create_shm_file
+from pagedserve.models.tensor_parallel import TensorParallel
 
 SLOT_BYTES = 4096  # small, so that a [40, 40] float32 tensor does not fit and takes the gloo path
 ROUNDS = 200
@@ -29,7 +30,7 @@ def _script(collectives: HostCollectives, rank: int) -> list[torch.Tensor]:
     half = torch.full((4, 2), 0.5, dtype=torch.bfloat16) * (rank + 1)
     seen.append(collectives.all_reduce_(half).float())
     columns = torch.full((2, 3 if rank == 0 else 2), float(rank))  # uneven slices: 3 + 2 columns
-    seen.append(collectives.all_gather_columns(columns, [3, 2]))
+    seen.append(TensorParallel(rank, 2, collectives).gather_columns(columns, [3, 2]))
     return seen
 
 
