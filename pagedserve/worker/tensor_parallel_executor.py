@@ -84,7 +84,6 @@ class TensorParallelExecutor:
         self.device = device
         self.threads_per_rank = threads_per_rank
         self.cpus = rank_cpus(self.world_size, threads_per_rank)
-        self.worker_weight_bytes: list[int] = []
         self._workers: list[_Worker] = []
         self._closed = False
         self._store = None
@@ -172,7 +171,8 @@ class TensorParallelExecutor:
         """Give the workers the KV cache's size and wait until each has built its runner."""
         for worker in self._workers:
             worker.conn.send(RunnerSetup(num_blocks, block_size, batch_size_hint))
-        self.worker_weight_bytes = [self._expect(worker, WorkerReady).weight_bytes for worker in self._workers]
+        for worker in self._workers:
+            self._expect(worker, WorkerReady)
 
     def _expect(self, worker: _Worker, kind: type):
         """The worker's next message, which must be ``kind``; raises TensorParallelError if it failed,

@@ -52,12 +52,12 @@ class WorkerJoining:
 
 @dataclass(frozen=True, slots=True)
 class WorkerLoaded:
-    num_kv_heads: int  # this rank's
+    """The worker's slice of the model is loaded."""
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerReady:
-    weight_bytes: int  # this rank's resident weights
+    """The worker's runner is built (it logs its resident weight bytes itself)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +108,7 @@ def _serve(conn: Connection, setup: WorkerSetup) -> None:
     init_process_group(setup.device, setup.store_port, setup.rank, setup.world_size, setup.timeout_s, False)
     config = setup.config
     loaded = load_model(config.model, device, TensorParallel(setup.rank, setup.world_size, collectives))
-    conn.send(WorkerLoaded(loaded.num_kv_heads))
+    conn.send(WorkerLoaded())
     runner_setup: RunnerSetup | None = conn.recv()
     if runner_setup is None:  # the leader failed to start and stops us
         return
@@ -125,7 +125,7 @@ def _serve(conn: Connection, setup: WorkerSetup) -> None:
         seed=config.model.seed,
         batch_size_hint=runner_setup.batch_size_hint,
     )
-    conn.send(WorkerReady(runner.weight_bytes))
+    conn.send(WorkerReady())
     while True:
         plan = conn.recv()
         if plan is None:
