@@ -120,18 +120,26 @@ class CacheConfig:
         return DEFAULT_MEMORY_UTILIZATION_CPU if device_type == "cpu" else DEFAULT_MEMORY_UTILIZATION_ACCELERATOR
 
 
+KV_ADMISSION_POLICIES = ("immediate", "lookahead")
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Continuous batching limits.
 
     ``max_num_batched_tokens`` is the per-step token budget shared by decode and prefill
-    tokens; prompts longer than what is left of it are prefilled in chunks.
+    tokens; prompts longer than what is left of it are prefilled in chunks. ``kv_admission``:
+    ``immediate`` starts a waiting request as soon as its prompt fits (vLLM's way: the most requests
+    at once, the newest preempted and recomputed when the cache runs out); ``lookahead`` starts it
+    only if the KV cache can hold what it and the running requests are still expected to need
+    (almost no preemption, so no stalled streams, but longer waits for the first token).
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority
+    kv_admission: str = "immediate"  # immediate | lookahead
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -140,6 +148,8 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be positive")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError("policy must be fcfs or priority")
+        if self.kv_admission not in KV_ADMISSION_POLICIES:
+            raise ValueError(f"kv_admission must be one of {', '.join(KV_ADMISSION_POLICIES)}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -6,6 +6,9 @@ each, or the next chunk of a prompt), then admits WAITING ones. A prompt that do
 what is left of the budget is prefilled in chunks over several steps. When the KV cache runs
 out, the newest (or, under the priority policy, the least important) running request is
 preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
+Waiting requests are admitted in order. With ``kv_admission="lookahead"`` they are admitted only
+while the cache can hold what they and the running requests are still expected to need
+(``KVAdmission``), so a full cache makes requests wait for space instead of preempting one another.
 
 With speculative decoding, a decoding request may run its last token plus draft tokens (prompt
 lookup) in one step: the drafts count against the token budget and take KV slots; the runner
@@ -20,6 +23,7 @@ import time
 from collections import deque
 
 from pagedserve.config import SchedulerConfig, SpeculativeConfig
+from pagedserve.core.kv_admission import KVAdmission
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.ngram_proposer import NgramProposer
 from pagedserve.core.request import Request, RequestStatus
@@ -52,6 +56,7 @@ class Scheduler:
         )
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
+        self.admission = KVAdmission(kv_cache.block_size, max_model_len)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, list[Request]] = {}
@@ -86,6 +91,7 @@ class Scheduler:
         for request_id, index in samples:
             for request in self.requests.get(request_id, [])[:]:
                 if request.index == index:
+                    self.admission.record_finished(request)
                     self._finish(request, FinishReason.STOP, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -126,11 +132,22 @@ class Scheduler:
             budget -= num_new
             i = self.running.index(request) + 1 if preempted_here else i + 1
 
+        if preempted:
+            self.admission.record_preemption()
+        lookahead = self.config.kv_admission == "lookahead" and bool(self.waiting and self.running) and not preempted
+        if lookahead:  # the running requests' tokens now and the output they are still expected to add
+            planned = [entry for r in self.running for entry in self.admission.entries(r)]
+            capacity = self.kv_cache.num_free_blocks + sum(len(r.block_ids) for r in self.running)
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
             if self.running and len(self.running) + request.num_samples_to_fork > self.config.max_num_seqs:
                 break
             hits = self.kv_cache.get_computed_blocks(request)
+            if lookahead:
+                num_shared = sum(1 for block in hits if block.ref_cnt > 0) * self.kv_cache.block_size
+                candidate = self.admission.entries(request, num_shared)
+                if self.admission.peak_blocks(planned + candidate) > capacity:
+                    break  # in order: the requests behind it wait too, so a large one is not passed over for ever
             num_hit_tokens = len(hits) * self.kv_cache.block_size
             num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
             if num_new > budget:
@@ -152,6 +169,8 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new, self._num_samples(request, num_new)))
             budget -= num_new
+            if lookahead:
+                planned += candidate
 
         scheduled.sort(key=lambda s: not s.is_decode)  # decodes first (stable)
         num_tokens = self.config.max_num_batched_tokens - budget
@@ -347,6 +366,7 @@ class Scheduler:
                 request.prompt_logprobs_sent = True
                 output.prompt_logprobs = request.prompt_logprobs
         if finish_reason is not None:
+            self.admission.record_finished(request)
             self._finish(request, finish_reason, stop_reason)
         return output
 

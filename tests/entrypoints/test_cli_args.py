@@ -32,6 +32,13 @@ def test_tensor_parallel_size_flag():
     assert config("--tensor-parallel-size", "3").engine_config.parallel.tensor_parallel_size == 3
 
 
+def test_kv_admission_flag():
+    assert config().engine_config.scheduler.kv_admission == "immediate"
+    assert config("--kv-admission", "lookahead").engine_config.scheduler.kv_admission == "lookahead"
+    with pytest.raises(SystemExit):
+        config("--kv-admission", "eager")
+
+
 def test_served_model_names_are_aliases_of_the_single_model():
     cfg = config("--model", "/m/Llama-3.2-1B-Instruct-Q4_K_M.gguf", "--served-model-name", "x", "y")
     (spec,) = cfg.models

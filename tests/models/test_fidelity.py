@@ -93,7 +93,11 @@ def reference(prompt_ids) -> list[Reference]:
 
 def make_llm(loaded, **overrides) -> LLM:
     cache = CacheConfig(block_size=16, kv_cache_memory=256 << 20, num_blocks_override=overrides.pop("num_blocks", None))
-    scheduler = SchedulerConfig(max_num_batched_tokens=overrides.pop("budget", 2048), max_num_seqs=64)
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=overrides.pop("budget", 2048),
+        max_num_seqs=64,
+        kv_admission=overrides.pop("kv_admission", "immediate"),
+    )
     config = EngineConfig(
         model=ModelConfig(dtype="float32"),
         cache=cache,
@@ -167,6 +171,17 @@ def test_preemption_forced(loaded, prompt_ids, reference):
     outputs = llm.generate([{"prompt_token_ids": prompt_ids[i]} for i in order], greedy())
     assert llm.engine.scheduler.num_preemptions > 0
     check_against_reference(outputs, [reference[i] for i in order], "preemption")
+    assert_no_leak(llm)
+
+
+def test_lookahead_admission_holds_requests_back_instead_of_preempting(loaded, prompt_ids, reference):
+    # the cache of test_preemption_forced: lookahead admission starts a request only if the peak of the
+    # running requests' expected blocks and its own fits, so these requests wait instead of preempting
+    order = [9, 10, 8, 11] + list(range(8))
+    llm = make_llm(loaded, num_blocks=176, kv_admission="lookahead")
+    outputs = llm.generate([{"prompt_token_ids": prompt_ids[i]} for i in order], greedy())
+    assert llm.engine.scheduler.num_preemptions == 0
+    check_against_reference(outputs, [reference[i] for i in order], "lookahead admission")
     assert_no_leak(llm)
 
 
