@@ -55,6 +55,7 @@ def simulate(policy: str, args: argparse.Namespace, early_stop: bool) -> dict[st
     tpot: list[float] = []
     stalls: list[float] = []
     made = finished = tokens = 0
+    measured_from = 0.0
 
     def send() -> None:
         nonlocal made
@@ -67,10 +68,17 @@ def simulate(policy: str, args: argparse.Namespace, early_stop: bool) -> dict[st
         arrival[request_id] = clock
         scheduler.add_request(Request(request_id, 0, prompt, params, clock, (2,)))
 
-    for _ in range(args.concurrency):
-        send()
-    while finished < args.requests:
+    # clients start one by one over the ramp-up; the first `warmup` requests are left out of the figures
+    starts = [k * args.ramp_up / args.concurrency for k in range(args.concurrency)]
+    warmup = 2 * args.concurrency
+    while finished < args.requests + warmup:
+        while starts and starts[0] <= clock:
+            starts.pop(0)
+            send()
         sched = scheduler.schedule()
+        if sched.is_empty:
+            clock = starts[0] if starts else clock
+            continue
         clock += STEP_BASE_S + sched.num_batched_tokens * STEP_PER_TOKEN_S + len(sched.scheduled) * STEP_PER_REQUEST_S
         result = ModelRunnerOutput(
             [[7] * item.num_samples for item in sched.scheduled],
@@ -79,11 +87,13 @@ def simulate(policy: str, args: argparse.Namespace, early_stop: bool) -> dict[st
         )
         for out in scheduler.update_from_output(sched, result):
             request_id = out.request_id
-            tokens += len(out.new_token_ids)
+            tokens += len(out.new_token_ids) if finished >= warmup else 0
+            measured = int(request_id[1:]) >= warmup
             if request_id not in first:
                 first[request_id] = clock
-                ttft.append(clock - arrival[request_id])
-            else:
+                if measured:
+                    ttft.append(clock - arrival[request_id])
+            elif measured:
                 stalls.append(clock - last[request_id])
             last[request_id] = clock
             samples = scheduler.requests.get(request_id)
@@ -92,13 +102,15 @@ def simulate(policy: str, args: argparse.Namespace, early_stop: bool) -> dict[st
                 scheduler.stop_samples([(request_id, 0)])  # the "EOS" of an early-stopping request
                 done = True
             if done:
-                if target[request_id] > 1:
+                if target[request_id] > 1 and measured:
                     tpot.append((clock - first[request_id]) / (target[request_id] - 1))
                 finished += 1
+                if finished == warmup:
+                    measured_from = clock
                 send()
     pct = statistics.quantiles
     return {
-        "out tok/s": tokens / clock,
+        "out tok/s": tokens / (clock - measured_from),
         "TTFT p50 s": pct(ttft, n=100)[49],
         "TTFT p99 s": pct(ttft, n=100)[98],
         "TPOT p50 ms": pct(tpot, n=100)[49] * 1000,
@@ -113,7 +125,10 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=363, help="KV blocks (363 x 128 tokens: 1 GiB in bf16)")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=500, help="finished requests per run")
+    parser.add_argument(
+        "--requests", type=int, default=500, help="finished requests per run, after a warm-up of 2 x concurrency"
+    )
+    parser.add_argument("--ramp-up", type=float, default=20.0, help="simulated seconds over which the clients start")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rows = [
