@@ -107,6 +107,7 @@ def simulate(policy: str, args: argparse.Namespace, early_stop: bool) -> dict[st
                 finished += 1
                 if finished == warmup:
                     measured_from = clock
+                    scheduler.reset_counters()
                 send()
     pct = statistics.quantiles
     return {

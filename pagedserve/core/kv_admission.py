@@ -17,8 +17,14 @@ chat traffic that stops early it settles on the share actually used.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+from pagedserve.core.block_pool import KVBlock
 from pagedserve.core.request import Request
+
+# (tokens held now, tokens still expected, 1 if it grows by one token per step else 0): a request's
+# sample, or a block that several requests share
+Entry = tuple[int, int, int]
 
 INITIAL_OUTPUT_RATIO = 0.5  # before any request has finished: half of each output budget
 MIN_OUTPUT_RATIO = 0.05
@@ -46,29 +52,54 @@ class KVAdmission:
         """Output tokens the request is still expected to produce."""
         return math.ceil(self.output_budget_left(request) * self.output_ratio)
 
-    def entries(self, request: Request, num_shared_tokens: int = 0) -> list[tuple[int, int]]:
-        """``(tokens it holds or will hold now, tokens still expected)`` per sample of the request;
-        ``num_shared_tokens`` leading tokens sit in blocks another request holds (prefix hits)."""
-        entry = (request.num_tokens - num_shared_tokens, self.expected_output(request))
-        return [entry] * request.num_samples_to_fork
+    def entries(self, request: Request, num_shared_tokens: int = 0) -> list[Entry]:
+        """The entries of a request about to start: ``num_shared_tokens`` leading tokens sit in blocks
+        running requests hold (prefix hits), and each of the ``n - 1`` samples it forks into adds its
+        own copy of the partly filled last block and its own output."""
+        expected = self.expected_output(request)
+        entries = [(max(0, request.num_tokens - num_shared_tokens), expected, 1)]
+        entries += [(request.num_tokens % self.block_size, expected, 1)] * (request.num_samples_to_fork - 1)
+        return entries
 
-    def peak_blocks(self, entries: list[tuple[int, int]]) -> float:
-        """The most blocks these requests hold at once from now until the last finishes, if each
-        produces its expected output one token per step and frees its blocks when done.
+    def running_entries(self, running: list[Request], blocks: Sequence[KVBlock]) -> list[Entry]:
+        """The entries of the running requests with every physical block counted once: a block several
+        of them share (forks of one prompt, prefix hits) is an entry of its own that does not grow and
+        lasts as long as the holder expected to run longest."""
+        bs = self.block_size
+        entries: list[Entry] = []
+        shared: dict[int, int] = {}  # block id -> the longest expected output among its holders
+        for request in running:
+            expected = self.expected_output(request)
+            num_shared = 0
+            for block_id in request.block_ids:
+                if blocks[block_id].ref_cnt > 1:
+                    num_shared += 1
+                    if shared.get(block_id, -1) < expected:
+                        shared[block_id] = expected
+            entries.append((max(0, request.num_tokens - num_shared * bs), expected, 1))
+            entries += [(request.num_tokens % bs, expected, 1)] * (request.num_samples_to_fork - 1)
+        entries += [(bs, expected, 0) for expected in shared.values()]
+        return entries
 
-        Usage peaks just before some request finishes: at step ``t = r_j`` the requests still running
-        are those with ``r_i >= r_j``, each holding ``c_i + t`` tokens, so the peak is the largest
-        ``sum(c_i) + k * r_j`` over the ``k`` requests with the largest remaining counts. Each request's
-        partly filled last block counts as half a block (the mean over request lengths).
+    def peak_blocks(self, entries: list[Entry]) -> float:
+        """The most blocks held at once from now until the last entry ends, if each growing entry adds
+        one token per step until its expected output is done and every entry is freed when it ends.
+
+        Usage peaks just before some entry ends: at step ``t = r_j`` the entries still held are those
+        with ``r_i >= r_j``, each holding ``c_i`` tokens plus ``t`` if it grows, so the peak is the
+        largest ``sum(c_i) + g * r_j`` over the entries with the largest remaining counts, ``g`` of them
+        growing. Each growing entry's partly filled last block counts as half a block (the mean over
+        request lengths).
         """
         if not entries:
             return 0.0
         bs = self.block_size
-        peak = sum(c for c, _ in entries) / bs + len(entries) / 2  # now (t = 0)
-        tokens = 0
-        for k, (c, r) in enumerate(sorted(entries, key=lambda e: e[1], reverse=True), start=1):
+        peak = sum(c + g * bs / 2 for c, _, g in entries) / bs  # now (t = 0)
+        tokens = growing = 0
+        for c, r, g in sorted(entries, key=lambda e: e[1], reverse=True):
             tokens += c
-            peak = max(peak, (tokens + k * r) / bs + k / 2)
+            growing += g
+            peak = max(peak, (tokens + growing * r) / bs + growing / 2)
         return peak
 
     def record_finished(self, request: Request) -> None:

@@ -134,10 +134,10 @@ class Scheduler:
 
         if preempted:
             self.admission.record_preemption()
-        lookahead = self.config.kv_admission == "lookahead" and bool(self.waiting and self.running) and not preempted
+        lookahead = self.config.kv_admission == "lookahead" and bool(self.waiting) and not preempted
         if lookahead:  # the running requests' tokens now and the output they are still expected to add
-            planned = [entry for r in self.running for entry in self.admission.entries(r)]
-            capacity = self.kv_cache.num_free_blocks + sum(len(r.block_ids) for r in self.running)
+            planned = self.admission.running_entries(self.running, self.kv_cache.pool.blocks)
+            capacity = self.kv_cache.pool.num_usable_blocks
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
             if self.running and len(self.running) + request.num_samples_to_fork > self.config.max_num_seqs:
@@ -146,8 +146,10 @@ class Scheduler:
             if lookahead:
                 num_shared = sum(1 for block in hits if block.ref_cnt > 0) * self.kv_cache.block_size
                 candidate = self.admission.entries(request, num_shared)
-                if self.admission.peak_blocks(planned + candidate) > capacity:
-                    break  # in order: the requests behind it wait too, so a large one is not passed over for ever
+                # in order: the requests behind it wait too, so a large one is not passed over for ever; the
+                # first request into an empty engine starts whatever the estimate, so every request can run
+                if planned and self.admission.peak_blocks(planned + candidate) > capacity:
+                    break
             num_hit_tokens = len(hits) * self.kv_cache.block_size
             num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
             if num_new > budget:

@@ -44,12 +44,12 @@ def test_peak_counts_each_request_until_it_finishes():
     admission = KVAdmission(block_size=10, max_model_len=1000)
     # now: 110 tokens in 2 requests; after 50 steps the first finishes holding 150 tokens while the
     # second holds 60: 210 tokens; the second alone peaks at 210 tokens after 200 steps
-    assert admission.peak_blocks([(100, 50), (10, 200)]) == pytest.approx(
-        max(110 / 10 + 1, 210 / 10 + 0.5, 210 / 10 + 1)
-    )
+    assert admission.peak_blocks([(100, 50, 1), (10, 200, 1)]) == pytest.approx(210 / 10 + 1)
     # a whole-budget reservation would count 150 + 210 = 360 tokens; the peak is 210
     assert admission.peak_blocks([]) == 0
-    assert admission.peak_blocks([(40, 0)]) == pytest.approx(4.5)
+    assert admission.peak_blocks([(40, 0, 1)]) == pytest.approx(4.5)
+    # a shared block (does not grow) held until its longest holder ends: 3 blocks + 1 + half a block
+    assert admission.peak_blocks([(30, 100, 0), (5, 100, 1)]) == pytest.approx(3 + 10.5 + 0.5)
 
 
 def test_expected_output_is_the_learnt_share_of_what_is_left():
@@ -61,9 +61,10 @@ def test_expected_output_is_the_learnt_share_of_what_is_left():
     assert admission.output_budget_left(request) == 30
     long = make_request("b", 90, max_tokens=40)  # the context leaves 10
     assert admission.output_budget_left(long) == 10
-    forked = make_request("c", 8, max_tokens=12, n=3)
-    assert len(admission.entries(forked)) == 3
-    assert admission.entries(forked, num_shared_tokens=4) == [(4, 6)] * 3
+    forked = make_request("c", 10, max_tokens=12, n=3)
+    # the first sample holds the prompt beyond 4 tokens shared with running requests; the forks share
+    # the prompt's full blocks and each copies the partly filled one (2 tokens)
+    assert admission.entries(forked, num_shared_tokens=4) == [(6, 6, 1), (2, 6, 1), (2, 6, 1)]
 
 
 def test_output_ratio_follows_finished_requests_and_rises_on_preemption():
@@ -131,7 +132,7 @@ def test_lookahead_keeps_order_and_avoids_preemption_under_a_full_cache():
     for counts in (counts_i, counts_l):  # every request produced exactly its max_tokens, nothing lost
         assert all(counts[f"r{k:03d}"] == (10, 40, 24)[k % 3] for k in range(90))
     assert immediate.num_preemptions > 0
-    # the estimate starts at half of each budget and learns the whole budgets: a few early preemptions
+    # the estimate starts at half of each budget and learns the whole budgets: a few preemptions early on
     assert lookahead.num_preemptions < immediate.num_preemptions / 4
     assert lookahead.admission.output_ratio > 0.9
     assert order == sorted(order)  # first scheduled in arrival order: nobody passed over
@@ -168,10 +169,59 @@ def test_a_large_request_at_the_head_is_not_starved_by_small_ones_behind_it():
 def test_a_request_larger_than_the_estimate_allows_runs_alone():
     scheduler = make_scheduler(num_blocks=9)  # 8 usable blocks: 32 tokens
     scheduler.admission.output_ratio = 1.0
-    alone = make_request("alone", 20, max_tokens=40)  # 60 tokens at the end: more than the cache
-    scheduler.add_request(alone)
+    scheduler.add_request(make_request("alone", 20, max_tokens=40))  # 60 tokens at the end: more than the cache
+    scheduler.add_request(make_request("next", 2, max_tokens=2))  # its prompt fits beside it now
     sched, _ = run_step(scheduler)
     assert [item.request.request_id for item in sched.scheduled] == ["alone"]
+    sched, _ = run_step(scheduler)
+    assert [item.request.request_id for item in sched.scheduled] == ["alone"]
+
+
+def test_a_burst_into_an_empty_engine_is_admitted_by_the_estimate():
+    scheduler = make_scheduler(num_blocks=41)  # 40 usable blocks
+    scheduler.admission.output_ratio = 1.0
+    for k in range(30):  # 46 tokens (12 blocks) each at their end: 3 fit at once
+        scheduler.add_request(make_request(f"r{k:02d}", 6, max_tokens=40))
+    sched, _ = run_step(scheduler)
+    assert len(sched.scheduled) == 3
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert scheduler.num_preemptions == 0
+
+
+def test_blocks_shared_by_forks_and_prefix_hits_count_once():
+    # forks: a 40-token prompt sampled 4 times shares its 10 blocks; its samples and two long requests fit
+    scheduler = make_scheduler(num_blocks=41)
+    scheduler.admission.output_ratio = 1.0
+    scheduler.add_request(make_request("forked", 40, max_tokens=6, n=4))
+    scheduler.add_request(make_request("long0", 4, max_tokens=80))
+    while not any(r.request_id == "long0" for r in scheduler.running):
+        run_step(scheduler)
+    scheduler.add_request(make_request("long1", 4, max_tokens=80))
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert scheduler.num_preemptions == 0
+
+    # prefix hits: 8 requests of a common 64-token prefix (16 blocks) and 2 tokens of their own, 6 out;
+    # the first is prefilled alone, so the others find its blocks in the prefix cache
+    scheduler = make_scheduler(num_blocks=41)
+    scheduler.admission.output_ratio = 1.0
+    prefix = list(range(300, 364))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    requests = [Request(f"p{k}", 0, prefix + [900 + k] * 2, params, float(k), (2,)) for k in range(8)]
+    scheduler.add_request(requests[0])
+    run_step(scheduler)
+    for request in requests[1:]:
+        scheduler.add_request(request)
+    sched, _ = run_step(scheduler)
+    # 16 shared blocks + 8 x 2 of their own fit in 40; counted once per holder (18 blocks each) only 2 would
+    assert len(scheduler.running) == 8
+    scheduler.add_request(make_request("extra", 6, max_tokens=4))  # 3 blocks: fits beside them
+    run_step(scheduler)
+    assert "extra" in [r.request_id for r in scheduler.running]
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert scheduler.num_preemptions == 0
 
 
 def test_immediate_admission_ignores_the_estimate():
