@@ -69,15 +69,13 @@ class KVAdmission:
         entries: list[Entry] = []
         shared: dict[int, int] = {}  # block id -> the longest expected output among its holders
         for request in running:
-            expected = self.expected_output(request)
-            num_shared = 0
-            for block_id in request.block_ids:
-                if blocks[block_id].ref_cnt > 1:
-                    num_shared += 1
-                    if shared.get(block_id, -1) < expected:
-                        shared[block_id] = expected
-            entries.append((max(0, request.num_tokens - num_shared * bs), expected, 1))
-            entries += [(request.num_tokens % bs, expected, 1)] * (request.num_samples_to_fork - 1)
+            shared_here = [block_id for block_id in request.block_ids if blocks[block_id].ref_cnt > 1]
+            own = self.entries(request, len(shared_here) * bs)
+            expected = own[0][1]
+            for block_id in shared_here:
+                if shared.get(block_id, -1) < expected:
+                    shared[block_id] = expected
+            entries += own
         entries += [(bs, expected, 0) for expected in shared.values()]
         return entries
 
@@ -104,10 +102,7 @@ class KVAdmission:
 
     def record_finished(self, request: Request) -> None:
         """Learn from a request that ended by stop or length: the share of its output budget it used."""
-        budget = self.max_model_len - request.num_prompt_tokens
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:
-            budget = min(budget, max_tokens)
+        budget = self.output_budget_left(request) + request.num_output_tokens  # the budget at its start
         if budget <= 0:
             return
         used = min(1.0, request.num_output_tokens / budget)
