@@ -67,9 +67,9 @@ def request_eos_token_ids(model_eos_token_ids: tuple[int, ...], tokenizer: Any) 
 def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
     """The tokenizer of a Hugging Face model directory or of a ``.gguf`` file (never downloads)."""
     if path.endswith(".gguf") and os.path.isfile(path):
-        from pagedserve.models.gguf_loader import open_gguf, read_gguf_metadata
+        from pagedserve.models.gguf_loader import open_gguf
 
-        return tokenizer_from_gguf_metadata(read_gguf_metadata(open_gguf(path)))
+        return tokenizer_from_gguf_metadata(open_gguf(path).metadata)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=True)
     except (OSError, ValueError, TypeError) as exc:
@@ -83,7 +83,7 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
 
 
 def tokenizer_from_gguf_metadata(metadata: dict[str, Any]) -> PreTrainedTokenizerFast:
-    """Build the tokenizer stored in a GGUF file's metadata (as read by ``read_gguf_metadata``)."""
+    """Build the tokenizer stored in a GGUF file's metadata (``open_gguf(path).metadata``)."""
     from transformers.integrations.ggml import convert_gguf_tokenizer
 
     architecture = metadata.get("general.architecture", "llama")

@@ -31,10 +31,9 @@ def model_shape_from_default() -> dict[str, int]:
     """Read the default model's shape from its GGUF when pagedserve can; else the known SmolLM2 numbers."""
     try:
         from pagedserve.models.default_model import default_model_path
-        from pagedserve.models.gguf_loader import gguf_to_hf_config, open_gguf, read_gguf_metadata
+        from pagedserve.models.gguf_loader import gguf_to_hf_config, open_gguf
 
-        reader = open_gguf(default_model_path())
-        config = gguf_to_hf_config(read_gguf_metadata(reader), reader)
+        config = gguf_to_hf_config(open_gguf(default_model_path()))
         heads = config.num_attention_heads
         return dict(
             hidden=config.hidden_size,

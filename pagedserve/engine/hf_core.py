@@ -54,11 +54,11 @@ def _load(
 
     generation_config: dict[str, Any] = {}
     if path.endswith(".gguf"):
-        from pagedserve.models.gguf_loader import gguf_eos_token_ids, open_gguf, read_gguf_metadata
+        from pagedserve.models.gguf_loader import gguf_eos_token_ids, open_gguf
 
         directory, filename = os.path.split(os.path.abspath(path))
         model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=dtype, local_files_only=True)
-        eos_ids = list(gguf_eos_token_ids(read_gguf_metadata(open_gguf(path))))
+        eos_ids = list(gguf_eos_token_ids(open_gguf(path).metadata))
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         generation_file = os.path.join(path, "generation_config.json")

@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
 
+from pagedserve.models.gguf_file import GGUFFile, read_gguf_file
 from pagedserve.models.gguf_quants import GGUF_KEPT_TYPES, decode_gguf_tensor
 from pagedserve.models.layers import compute_inv_freq
 from pagedserve.models.quantization import GroupQuantized
@@ -43,23 +44,17 @@ _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def open_gguf(path: str):
-    """A memory-mapped ``gguf.GGUFReader`` (tensor data is read lazily)."""
-    from gguf import GGUFReader
-
+def open_gguf(path: str) -> GGUFFile:
+    """A GGUF file's metadata and tensor directory (tensor data is memory-mapped, read when used)."""
     try:
-        return GGUFReader(path)
+        return read_gguf_file(path)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read GGUF file {path!r}: {exc}") from exc
 
 
-def read_gguf_metadata(reader) -> dict[str, Any]:
-    """All key/value metadata of a GGUF file as Python values (strings, numbers, lists)."""
-    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
-
-
-def gguf_to_hf_config(metadata: dict[str, Any], reader) -> PretrainedConfig:
+def gguf_to_hf_config(gguf: GGUFFile) -> PretrainedConfig:
     """A transformers config equivalent to the GGUF metadata (and tensor list, for tying and rope)."""
+    metadata = gguf.metadata
     arch = metadata.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         supported = ", ".join(_GGUF_ARCHITECTURES)
@@ -74,7 +69,7 @@ def gguf_to_hf_config(metadata: dict[str, Any], reader) -> PretrainedConfig:
 
     hidden_size = get("embedding_length")
     num_heads = get("attention.head_count")
-    tensor_names = {tensor.name for tensor in reader.tensors}
+    tensor_names = {tensor.name for tensor in gguf.tensors}
     vocab_size = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
     config = config_class(
         architectures=[architecture],
@@ -88,7 +83,7 @@ def gguf_to_hf_config(metadata: dict[str, Any], reader) -> PretrainedConfig:
         max_position_embeddings=get("context_length"),
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=get("rope.freq_base", 10000.0),
-        rope_scaling=_rope_scaling(metadata, arch, reader, tensor_names),
+        rope_scaling=_rope_scaling(gguf, arch, tensor_names),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
@@ -99,7 +94,8 @@ def gguf_to_hf_config(metadata: dict[str, Any], reader) -> PretrainedConfig:
     return config
 
 
-def _rope_scaling(metadata: dict[str, Any], arch: str, reader, tensor_names: set[str]) -> dict[str, Any] | None:
+def _rope_scaling(gguf: GGUFFile, arch: str, tensor_names: set[str]) -> dict[str, Any] | None:
+    metadata = gguf.metadata
     scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling_type == "linear":
         return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
@@ -112,18 +108,18 @@ def _rope_scaling(metadata: dict[str, Any], arch: str, reader, tensor_names: set
     if scaling_type != "none":
         raise ModelLoadError(f"GGUF rope scaling {scaling_type!r} is not supported")
     if "rope_freqs.weight" in tensor_names:
-        return _llama3_scaling_from_rope_freqs(metadata, arch, reader)
+        return _llama3_scaling_from_rope_freqs(gguf, arch)
     return None
 
 
-def _llama3_scaling_from_rope_freqs(metadata: dict[str, Any], arch: str, reader) -> dict[str, Any]:
+def _llama3_scaling_from_rope_freqs(gguf: GGUFFile, arch: str) -> dict[str, Any]:
     """Recover Llama 3.1's ``rope_scaling`` from llama.cpp's per-frequency divisors (``rope_freqs``)."""
     from gguf.quants import dequantize
 
-    tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    tensor = next(t for t in gguf.tensors if t.name == "rope_freqs.weight")
     divisors = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)).flatten()
     head_dim = 2 * divisors.numel()
-    theta = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
+    theta = float(gguf.metadata.get(f"{arch}.rope.freq_base", 10000.0))
     scaling = {"rope_type": "llama3", "factor": float(divisors.max()), **_LLAMA3_ROPE_DEFAULTS}
     expected = compute_inv_freq(head_dim, theta, None) / divisors
     if not torch.allclose(compute_inv_freq(head_dim, theta, scaling), expected, rtol=1e-3):
@@ -155,15 +151,15 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def iter_gguf_weights(
-    reader, config: PretrainedConfig, arch: str, keep_quantized: bool = False
+    gguf: GGUFFile, config: PretrainedConfig, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
     """Tensors with Hugging Face names: float32, or with ``keep_quantized`` the 2-D tensors of the
     block types ``gguf_quants`` reads as ``GroupQuantized`` (the others dequantized); tensors we have
     no use for are skipped."""
     from gguf.quants import dequantize
 
-    permuted = _GGUF_ARCHITECTURES[arch][2]
-    for tensor in tqdm(reader.tensors, desc="Loading GGUF tensors", unit="tensor"):
+    permuted = _GGUF_ARCHITECTURES[gguf.metadata["general.architecture"]][2]
+    for tensor in tqdm(gguf.tensors, desc="Loading GGUF tensors", unit="tensor"):
         name = _hf_tensor_name(tensor.name)
         if name is None:
             continue

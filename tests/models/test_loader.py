@@ -338,7 +338,7 @@ def test_tiny_gguf_matches_the_hf_model(variant, tmp_path):
     assert tokenizer_path(ModelConfig(model=path)) == path
     tokenizer = load_tokenizer(path)
     assert "tokenizer" not in type(loaded).__slots__  # the engine's loader loads no tokenizer
-    reference_tokenizer = tokenizer_from_gguf_metadata(gguf_loader.read_gguf_metadata(gguf_loader.open_gguf(path)))
+    reference_tokenizer = tokenizer_from_gguf_metadata(gguf_loader.open_gguf(path).metadata)
     assert tokenizer("ab! cd").input_ids == reference_tokenizer("ab! cd").input_ids
     assert (tokenizer("ab!").input_ids[0] == 1) == add_bos
     assert tokenizer.eos_token == "</s>" and tokenizer.chat_template == CHAT_TEMPLATE
