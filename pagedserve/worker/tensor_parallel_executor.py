@@ -16,11 +16,13 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import queue
 import secrets
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -134,7 +136,7 @@ class TensorParallelExecutor:
             if self.cpus[0]:
                 self._own_affinity = os.sched_getaffinity(0)  # given back at close (an offline LLM's process)
                 os.sched_setaffinity(0, self.cpus[0])
-            self._store = init_process_group(str(self.device), port, 0, self.world_size, COLLECTIVE_TIMEOUT_S, True)
+            self._store = self._join_process_group(port)
             self.tensor_parallel = TensorParallel(0, self.world_size, collectives)
         except BaseException:
             self.close()
@@ -146,6 +148,31 @@ class TensorParallelExecutor:
             self.threads_per_rank,
             f", pinned to CPUs {list(self.cpus)}" if self.cpus[0] else "",
         )
+
+    def _join_process_group(self, port: int):
+        """Join as rank 0 (the store's host) while watching the workers: a worker that dies before it
+        joins fails the start at once instead of after the store's timeout. The join runs on a thread;
+        after such a failure that thread stays blocked until the timeout, holding nothing of ours."""
+        joined: queue.Queue = queue.Queue(maxsize=1)
+
+        def join() -> None:
+            try:
+                joined.put(init_process_group(str(self.device), port, 0, self.world_size, COLLECTIVE_TIMEOUT_S, True))
+            except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
+                joined.put(exc)
+
+        threading.Thread(target=join, name="tp-join", daemon=True).start()
+        while True:
+            try:
+                result = joined.get(timeout=0.2)
+            except queue.Empty:
+                for worker in self._workers:
+                    if worker.proc.poll() is not None:
+                        raise self._dead_error(worker) from None
+                continue
+            if isinstance(result, BaseException):
+                raise TensorParallelError(f"the tensor-parallel ranks could not form a process group: {result}")
+            return result
 
     def _spawn(self, rank: int) -> _Worker:
         parent_sock, child_sock = socket.socketpair()
