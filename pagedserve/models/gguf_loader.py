@@ -52,9 +52,9 @@ def open_gguf(path: str) -> GGUFFile:
         raise ModelLoadError(f"cannot read GGUF file {path!r}: {exc}") from exc
 
 
-def gguf_to_hf_config(gguf: GGUFFile) -> PretrainedConfig:
+def gguf_to_hf_config(gguf_file: GGUFFile) -> PretrainedConfig:
     """A transformers config equivalent to the GGUF metadata (and tensor list, for tying and rope)."""
-    metadata = gguf.metadata
+    metadata = gguf_file.metadata
     arch = metadata.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         supported = ", ".join(_GGUF_ARCHITECTURES)
@@ -69,7 +69,7 @@ def gguf_to_hf_config(gguf: GGUFFile) -> PretrainedConfig:
 
     hidden_size = get("embedding_length")
     num_heads = get("attention.head_count")
-    tensor_names = {tensor.name for tensor in gguf.tensors}
+    tensor_names = {tensor.name for tensor in gguf_file.tensors}
     vocab_size = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
     config = config_class(
         architectures=[architecture],
@@ -83,7 +83,7 @@ def gguf_to_hf_config(gguf: GGUFFile) -> PretrainedConfig:
         max_position_embeddings=get("context_length"),
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=get("rope.freq_base", 10000.0),
-        rope_scaling=_rope_scaling(gguf, arch, tensor_names),
+        rope_scaling=_rope_scaling(gguf_file, arch, tensor_names),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
@@ -94,8 +94,8 @@ def gguf_to_hf_config(gguf: GGUFFile) -> PretrainedConfig:
     return config
 
 
-def _rope_scaling(gguf: GGUFFile, arch: str, tensor_names: set[str]) -> dict[str, Any] | None:
-    metadata = gguf.metadata
+def _rope_scaling(gguf_file: GGUFFile, arch: str, tensor_names: set[str]) -> dict[str, Any] | None:
+    metadata = gguf_file.metadata
     scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling_type == "linear":
         return {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
@@ -108,18 +108,18 @@ def _rope_scaling(gguf: GGUFFile, arch: str, tensor_names: set[str]) -> dict[str
     if scaling_type != "none":
         raise ModelLoadError(f"GGUF rope scaling {scaling_type!r} is not supported")
     if "rope_freqs.weight" in tensor_names:
-        return _llama3_scaling_from_rope_freqs(gguf, arch)
+        return _llama3_scaling_from_rope_freqs(gguf_file, arch)
     return None
 
 
-def _llama3_scaling_from_rope_freqs(gguf: GGUFFile, arch: str) -> dict[str, Any]:
+def _llama3_scaling_from_rope_freqs(gguf_file: GGUFFile, arch: str) -> dict[str, Any]:
     """Recover Llama 3.1's ``rope_scaling`` from llama.cpp's per-frequency divisors (``rope_freqs``)."""
     from gguf.quants import dequantize
 
-    tensor = next(t for t in gguf.tensors if t.name == "rope_freqs.weight")
+    tensor = next(t for t in gguf_file.tensors if t.name == "rope_freqs.weight")
     divisors = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)).flatten()
     head_dim = 2 * divisors.numel()
-    theta = float(gguf.metadata.get(f"{arch}.rope.freq_base", 10000.0))
+    theta = float(gguf_file.metadata.get(f"{arch}.rope.freq_base", 10000.0))
     scaling = {"rope_type": "llama3", "factor": float(divisors.max()), **_LLAMA3_ROPE_DEFAULTS}
     expected = compute_inv_freq(head_dim, theta, None) / divisors
     if not torch.allclose(compute_inv_freq(head_dim, theta, scaling), expected, rtol=1e-3):
@@ -151,15 +151,15 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def iter_gguf_weights(
-    gguf: GGUFFile, config: PretrainedConfig, keep_quantized: bool = False
+    gguf_file: GGUFFile, config: PretrainedConfig, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
     """Tensors with Hugging Face names: float32, or with ``keep_quantized`` the 2-D tensors of the
     block types ``gguf_quants`` reads as ``GroupQuantized`` (the others dequantized); tensors we have
     no use for are skipped."""
     from gguf.quants import dequantize
 
-    permuted = _GGUF_ARCHITECTURES[gguf.metadata["general.architecture"]][2]
-    for tensor in tqdm(gguf.tensors, desc="Loading GGUF tensors", unit="tensor"):
+    permuted = _GGUF_ARCHITECTURES[gguf_file.metadata["general.architecture"]][2]
+    for tensor in tqdm(gguf_file.tensors, desc="Loading GGUF tensors", unit="tensor"):
         name = _hf_tensor_name(tensor.name)
         if name is None:
             continue

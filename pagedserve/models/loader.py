@@ -100,8 +100,8 @@ def load_model(
     is_gguf = _check_model_path(path)
     dtype = resolve_dtype(model_config.dtype, device)
     if is_gguf:
-        gguf = gguf_loader.open_gguf(path)
-        hf_config = gguf_loader.gguf_to_hf_config(gguf)
+        gguf_file = gguf_loader.open_gguf(path)
+        hf_config = gguf_loader.gguf_to_hf_config(gguf_file)
         generation_config: dict[str, Any] = {}
     else:
         hf_config = _read_hf_config(path)
@@ -110,8 +110,8 @@ def load_model(
     max_model_len = _resolve_max_model_len(model_config.max_model_len, hf_config)
     quantization = resolve_quantization(model_config, is_gguf)
     if is_gguf:
-        eos_token_ids = gguf_loader.gguf_eos_token_ids(gguf.metadata)
-        weights = gguf_loader.iter_gguf_weights(gguf, hf_config, keep_quantized=quantization.method == "gguf")
+        eos_token_ids = gguf_loader.gguf_eos_token_ids(gguf_file.metadata)
+        weights = gguf_loader.iter_gguf_weights(gguf_file, hf_config, keep_quantized=quantization.method == "gguf")
     else:
         eos_token_ids = _collect_eos_token_ids(hf_config, generation_config)
         weights = iter_safetensors_weights(path)
