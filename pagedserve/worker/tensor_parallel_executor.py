@@ -166,9 +166,9 @@ class TensorParallelExecutor:
             try:
                 result = joined.get(timeout=0.2)
             except queue.Empty:
-                for worker in self._workers:
-                    if worker.proc.poll() is not None:
-                        raise self._dead_error(worker) from None
+                result = None
+            if result is None:  # still joining
+                self.check_health()
                 continue
             if isinstance(result, BaseException):
                 raise TensorParallelError(f"the tensor-parallel ranks could not form a process group: {result}")
