@@ -58,6 +58,7 @@ class SchedulerStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of blocks in use by live requests, 0..1
     num_blocks: int = 0
+    kv_capacity_tokens: int = 0  # the tokens the KV cache holds: num_blocks times the block size
     num_free_blocks: int = 0  # of num_blocks; cached ones included
     num_cached_free_blocks: int = 0  # of the free blocks, those still in the prefix cache
     prefix_cache_queries: int = 0  # tokens looked up

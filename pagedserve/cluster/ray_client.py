@@ -34,12 +34,13 @@ class _Part:
     """One engine request carrying samples of a stream: all of them (``index`` None, outputs keep their
     index), or one resumed sample ``index`` (sent with n = 1: its index 0 is that sample)."""
 
-    __slots__ = ("request", "index", "replica_id")
+    __slots__ = ("request", "index", "replica_id", "started")
 
     def __init__(self, request: EngineCoreRequest, index: int | None) -> None:
         self.request = request
         self.index = index
         self.replica_id: str | None = None  # where it runs, once placed
+        self.started = False  # a first output came back: its prompt is computed
 
     @property
     def attempt_id(self) -> str:
@@ -325,6 +326,7 @@ class RayEngineCoreClient(EngineCoreClient):
             stream, part = entry
             if stream.ended:
                 continue
+            part.started = True
             if part.index is not None:
                 output.index = part.index
             if output.index in stream.finished:
@@ -375,8 +377,17 @@ class RayEngineCoreClient(EngineCoreClient):
         if self._wake is not None:
             self._wake.set()
 
-    def _loads(self) -> dict[str, int]:
-        return {replica_id: len(placed) for replica_id, placed in self._on_replica.items()}
+    def _loads(self) -> dict[str, tuple[int, int]]:
+        """Per replica: the parts placed there, and the prompt tokens of those with no output yet."""
+        loads = {}
+        for replica_id, placed in self._on_replica.items():
+            prefill_tokens = 0
+            for attempt_id in placed:
+                entry = self._by_attempt.get(attempt_id)
+                if entry is not None and not entry[1].started:
+                    prefill_tokens += len(entry[1].request.prompt_token_ids)
+            loads[replica_id] = (len(placed), prefill_tokens)
+        return loads
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

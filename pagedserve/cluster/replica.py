@@ -120,7 +120,8 @@ class EngineReplica:
     async def add(self, request: EngineCoreRequest, subscriber: str, loads: dict | None = None) -> str:
         """Queue a request whose outputs go to ``subscriber``'s stream; returns this replica's id.
 
-        ``loads`` is the front end's count of requests per replica, read by the request router only.
+        ``loads`` is the front end's load per replica (requests in flight, prompt tokens still waiting for
+        a first token), read by the request router only.
         """
         if self._core.is_dead:
             raise EngineDeadError(f"the engine core of replica {self._replica_id} is dead")
@@ -169,7 +170,11 @@ class EngineReplica:
         if not hasattr(self, "_dispatcher"):
             return {}  # still starting
         status = ReplicaStatus(self._replica_id, self._core.pid or os.getpid(), self._node, self._core.get_stats())
-        return {"kv_usage": status.stats.kv_cache_usage, "status": status}
+        return {
+            "kv_usage": status.stats.kv_cache_usage,
+            "kv_capacity_tokens": status.stats.kv_capacity_tokens,
+            "status": status,
+        }
 
     async def __del__(self) -> None:
         dispatcher = getattr(self, "_dispatcher", None)  # absent when the constructor failed

@@ -1,10 +1,12 @@
 """pagedserve's request routers on Ray Serve's custom-router API (``RequestRouter.choose_replicas``).
 
 Ray builds one router per deployment handle, in the process that owns the handle (the front end), and
-calls ``choose_replicas`` for every call. A request's ``add`` call carries the front end's count of
-requests in flight per replica (``loads``: the front end sees every request finish, Ray only sees the
-short ``add`` call); calls meant for one replica (its output stream, an abort) carry ``target_replica``
-and go there. The KV usage each replica publishes through ``record_routing_stats`` breaks near-ties.
+calls ``choose_replicas`` for every call. A request's ``add`` call carries the front end's loads per
+replica (``loads``: requests in flight and the prompt tokens of those still waiting for a first token; the
+front end sees every token arrive and every request finish, Ray only sees the short ``add`` call); calls
+meant for one replica (its output stream, an abort) carry ``target_replica`` and go there. The KV usage and
+size each replica publishes through ``record_routing_stats`` put nearly full replicas last and bound what
+the prefix-affinity index believes a replica still holds.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import itertools
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedserve.cluster.routing_policy import (
+    PREFIX_CHUNK_TOKENS,
     PrefixAffinityIndex,
     ReplicaLoad,
     least_loaded_ranks,
@@ -29,16 +32,22 @@ def _kwargs(pending_request: PendingRequest | None) -> dict:
     return pending_request.kwargs if pending_request is not None and pending_request.kwargs else {}
 
 
+def _prompt_tokens(pending_request: PendingRequest | None) -> list[int]:
+    if pending_request is None or not pending_request.args:
+        return []
+    return getattr(pending_request.args[0], "prompt_token_ids", None) or []
+
+
 class _LoadAwareRouter(RequestRouter):
     """Targeted calls to their replica; requests by a policy over the front end's loads.
 
     A burst of requests is routed before the first ``add`` returns, so each choice also reserves its
-    replica (counted as load) until Ray reports the call routed.
+    replica (counted as load: one request and its prompt's tokens) until Ray reports the call routed.
     """
 
     def initialize_state(self, **kwargs) -> None:
-        self._reserved: dict[str, ReplicaID] = {}
-        self._reserved_count: dict[ReplicaID, int] = {}
+        self._reserved: dict[str, tuple[ReplicaID, int]] = {}  # request -> (replica, prompt tokens)
+        self._reserved_load: dict[ReplicaID, tuple[int, int]] = {}  # replica -> (requests, prompt tokens)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -63,9 +72,12 @@ class _LoadAwareRouter(RequestRouter):
         loads = []
         for replica in candidates:
             stats = replica.routing_stats or {}
-            in_flight = front_end_loads.get(replica.replica_id.unique_id, 0)
-            in_flight += self._reserved_count.get(replica.replica_id, 0)
-            loads.append(ReplicaLoad(replica.replica_id, in_flight, float(stats.get("kv_usage", 0.0))))
+            in_flight, prefill_tokens = front_end_loads.get(replica.replica_id.unique_id, (0, 0))
+            reserved, reserved_tokens = self._reserved_load.get(replica.replica_id, (0, 0))
+            kv_usage = float(stats.get("kv_usage", 0.0))
+            loads.append(
+                ReplicaLoad(replica.replica_id, in_flight + reserved, kv_usage, prefill_tokens + reserved_tokens)
+            )
         return loads
 
     @staticmethod
@@ -80,15 +92,19 @@ class _LoadAwareRouter(RequestRouter):
         self._unreserve(key)
         if len(self._reserved) >= MAX_RESERVATIONS:
             self._reserved.clear()
-            self._reserved_count.clear()
+            self._reserved_load.clear()
         replica_id = ranks[0][0].replica_id
-        self._reserved[key] = replica_id
-        self._reserved_count[replica_id] = self._reserved_count.get(replica_id, 0) + 1
+        tokens = len(_prompt_tokens(pending_request))
+        self._reserved[key] = (replica_id, tokens)
+        requests, reserved_tokens = self._reserved_load.get(replica_id, (0, 0))
+        self._reserved_load[replica_id] = (requests + 1, reserved_tokens + tokens)
 
     def _unreserve(self, key: str) -> None:
-        replica_id = self._reserved.pop(key, None)
-        if replica_id is not None:
-            self._reserved_count[replica_id] = max(0, self._reserved_count.get(replica_id, 0) - 1)
+        entry = self._reserved.pop(key, None)
+        if entry is not None:
+            replica_id, tokens = entry
+            requests, reserved_tokens = self._reserved_load.get(replica_id, (1, tokens))
+            self._reserved_load[replica_id] = (max(0, requests - 1), max(0, reserved_tokens - tokens))
 
 
 class RoundRobinRouter(_LoadAwareRouter):
@@ -104,7 +120,8 @@ class RoundRobinRouter(_LoadAwareRouter):
 
 
 class LeastLoadedRouter(_LoadAwareRouter):
-    """The replica with the fewest requests in flight (running + waiting), nearly full KV caches last."""
+    """The replica with the fewest requests in flight (running + waiting; then the least prefill queued),
+    nearly full KV caches last."""
 
     def rank(self, loads: list[ReplicaLoad], pending_request: PendingRequest | None) -> list[list[ReplicaID]]:
         return least_loaded_ranks(loads)
@@ -112,7 +129,8 @@ class LeastLoadedRouter(_LoadAwareRouter):
 
 class PrefixAffinityRouter(_LoadAwareRouter):
     """The replica that was last sent the prompt's longest known prefix (its prefix cache likely holds it),
-    unless that replica is ``imbalance_threshold`` requests busier than the least loaded one; else least-loaded.
+    when that prefix is most of the prompt and the replica is at most ``imbalance_threshold`` requests busier
+    than the least loaded one; else the replica with the least prefill queued (``prefix_affinity_ranks``).
     """
 
     def initialize_state(self, imbalance_threshold: int = 8, **kwargs) -> None:
@@ -120,10 +138,20 @@ class PrefixAffinityRouter(_LoadAwareRouter):
         self._threshold = imbalance_threshold
         self._index = PrefixAffinityIndex()
         self._hashes: dict[str, list[int]] = {}  # requests being routed -> their prefix hashes
+        self._cache_chunks: dict[ReplicaID, int] = {}  # replica -> its KV cache in prefix chunks (published)
 
     def rank(self, loads: list[ReplicaLoad], pending_request: PendingRequest | None) -> list[list[ReplicaID]]:
-        ranks, _ = prefix_affinity_ranks(self._index, self._hashes_of(pending_request), loads, self._threshold)
+        hashes = self._hashes_of(pending_request)
+        prompt_tokens = len(_prompt_tokens(pending_request))
+        ranks, _ = prefix_affinity_ranks(self._index, hashes, loads, self._threshold, prompt_tokens)
         return ranks
+
+    def _loads(self, candidates: list[RunningReplica], front_end_loads: dict) -> list[ReplicaLoad]:
+        for replica in candidates:
+            capacity = int((replica.routing_stats or {}).get("kv_capacity_tokens", 0))
+            if capacity:
+                self._cache_chunks[replica.replica_id] = capacity // PREFIX_CHUNK_TOKENS
+        return super()._loads(candidates, front_end_loads)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         super().on_request_routed(pending_request, replica_id, result)
@@ -133,12 +161,13 @@ class PrefixAffinityRouter(_LoadAwareRouter):
         if hashes is None:
             hashes = self._hashes_of(pending_request, remember=False)
         if hashes:
-            self._index.record(hashes, replica_id)
+            self._index.record(hashes, replica_id, self._cache_chunks.get(replica_id, 0))
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         live = {replica.replica_id for replica in replicas}
         for gone in set(getattr(self, "_known", ())) - live:
             self._index.forget(gone)
+            self._cache_chunks.pop(gone, None)
         self._known = live
         super().update_replicas(replicas)
 
@@ -149,9 +178,9 @@ class PrefixAffinityRouter(_LoadAwareRouter):
         cached = self._hashes.get(key)
         if cached is not None:
             return cached
-        request = pending_request.args[0]
-        token_ids = getattr(request, "prompt_token_ids", None)
-        hashes = prefix_chunk_hashes(token_ids, cache_salt=getattr(request, "cache_salt", None)) if token_ids else []
+        token_ids = _prompt_tokens(pending_request)
+        cache_salt = getattr(pending_request.args[0], "cache_salt", None)
+        hashes = prefix_chunk_hashes(token_ids, cache_salt=cache_salt) if token_ids else []
         if remember:
             if len(self._hashes) >= MAX_RESERVATIONS:
                 self._hashes.clear()

@@ -276,6 +276,7 @@ class Scheduler:
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv_cache.usage,
             num_blocks=self.kv_cache.pool.num_usable_blocks,
+            kv_capacity_tokens=self.kv_cache.pool.num_usable_blocks * self.kv_cache.block_size,
             num_free_blocks=self.kv_cache.num_free_blocks,
             num_cached_free_blocks=self.kv_cache.pool.num_cached_free_blocks,
             prefix_cache_queries=self.kv_cache.prefix_cache_queries,

@@ -6,10 +6,12 @@ from __future__ import annotations
 from pagedserve.cluster.ray_client import RouterCounters, merge_stats
 from pagedserve.cluster.routing_policy import (
     KV_FULL,
+    MAX_PREFIX_CHUNKS,
     PREFIX_CHUNK_TOKENS,
     PrefixAffinityIndex,
     ReplicaLoad,
     least_loaded_ranks,
+    least_prefill_ranks,
     prefix_affinity_ranks,
     prefix_chunk_hashes,
     round_robin_ranks,
@@ -68,10 +70,27 @@ def test_index_matches_the_longest_recorded_prefix_on_a_live_replica() -> None:
     assert len(index) == 0
 
 
-def test_index_is_bounded() -> None:
+def test_index_is_bounded_and_keeps_the_leading_chunks() -> None:
     index = PrefixAffinityIndex(capacity=10)
-    index.record(prefix_chunk_hashes(family(4, 20 * PREFIX_CHUNK_TOKENS)), "a")
+    hashes = prefix_chunk_hashes(family(4, 20 * PREFIX_CHUNK_TOKENS))
+    index.record(hashes, "a")
     assert len(index) == 10
+    assert index.match(hashes, {"a"}) == ("a", 10)  # the tail went: what is left is still a prefix
+
+
+def test_index_forgets_what_a_replica_cache_no_longer_holds() -> None:
+    index = PrefixAffinityIndex()
+    first, second, third = (prefix_chunk_hashes(family(seed, 4 * PREFIX_CHUNK_TOKENS)) for seed in (11, 12, 13))
+    for hashes in (first, second, third):
+        index.record(hashes, "a", replica_chunks=10)  # a's cache holds 10 chunks
+    assert index.match(first, {"a"}) == ("a", 2)  # the oldest prompt lost its last two chunks, tail first
+    assert index.match(second, {"a"}) == ("a", 4) and index.match(third, {"a"}) == ("a", 4)
+    index.record(third, "b", replica_chunks=10)  # sent elsewhere: a no longer counts it among its chunks
+    index.record(prefix_chunk_hashes(family(14, 4 * PREFIX_CHUNK_TOKENS)), "a", replica_chunks=10)
+    assert index.match(second, {"a"}) == ("a", 4)  # so a still has room for second
+    assert index.match(third, {"a", "b"}) == ("b", 4)
+    index.forget("a")
+    assert index.match(second, {"a", "b"}) == (None, 0) and len(index) == 4
 
 
 def test_prefix_affinity_prefers_the_owner_unless_it_is_much_busier() -> None:
@@ -88,6 +107,46 @@ def test_prefix_affinity_prefers_the_owner_unless_it_is_much_busier() -> None:
     assert prefix_affinity_ranks(index, hashes, full, imbalance_threshold=4)[0][0] == ["a"]
     unknown, by_prefix = prefix_affinity_ranks(index, prefix_chunk_hashes(family(6)), loads, 4)
     assert not by_prefix and unknown == [["a"], ["b"]]
+
+
+def test_a_prompt_computed_from_scratch_goes_where_least_prefill_is_queued() -> None:
+    loads = [ReplicaLoad("a", 1, prefill_tokens=1000), ReplicaLoad("b", 2, prefill_tokens=0)]
+    assert least_loaded_ranks(loads) == [["a"], ["b"]]  # fewest in flight
+    ranks, by_prefix = prefix_affinity_ranks(PrefixAffinityIndex(), prefix_chunk_hashes(family(8)), loads, 4)
+    assert not by_prefix and ranks == [["b"], ["a"]]  # nothing known: b starts it first
+    tied = [ReplicaLoad("a", 3, prefill_tokens=64), ReplicaLoad("b", 1, prefill_tokens=64)]
+    assert least_prefill_ranks(tied) == [["b"], ["a"]]
+    full = [ReplicaLoad("a", 0, kv_usage=KV_FULL), ReplicaLoad("b", 5, prefill_tokens=900)]
+    assert least_prefill_ranks(full) == [["b"], ["a"]]
+
+
+def test_a_shared_system_prompt_alone_does_not_decide() -> None:
+    index = PrefixAffinityIndex()
+    system = family(9, 2 * PREFIX_CHUNK_TOKENS)
+    index.record(prefix_chunk_hashes(system + family(10)), "a")
+    loads = [ReplicaLoad("a", 2), ReplicaLoad("b", 0)]
+    other = system + family(15)  # the same 32-token system prompt, another conversation
+    ranks, by_prefix = prefix_affinity_ranks(index, prefix_chunk_hashes(other), loads, 8, prompt_tokens=len(other))
+    assert not by_prefix and ranks[0] == ["b"]
+    again = system + family(10) + [7, 8, 9]  # the first conversation's next turn: most of it is known
+    ranks, by_prefix = prefix_affinity_ranks(index, prefix_chunk_hashes(again), loads, 8, prompt_tokens=len(again))
+    assert by_prefix and ranks[0] == ["a"]
+    ranks, by_prefix = prefix_affinity_ranks(
+        index, prefix_chunk_hashes(again), loads, 8, prompt_tokens=len(again), min_match_ratio=0.99
+    )
+    assert not by_prefix
+
+
+def test_a_long_prompt_is_matched_on_its_leading_chunks() -> None:
+    index = PrefixAffinityIndex()
+    document = family(16, MAX_PREFIX_CHUNKS * PREFIX_CHUNK_TOKENS)
+    index.record(prefix_chunk_hashes(document), "b")
+    question = document + family(17, 6000)  # 10,096 tokens: only the first 4,096 are hashed
+    loads = [ReplicaLoad("a", 0), ReplicaLoad("b", 1)]
+    ranks, by_prefix = prefix_affinity_ranks(
+        index, prefix_chunk_hashes(question), loads, 8, prompt_tokens=len(question)
+    )
+    assert by_prefix and ranks == [["b"], ["a"]]
 
 
 def test_router_counters_count_affinity_hits_per_family() -> None:
