@@ -230,7 +230,7 @@ class RayEngineCoreClient(EngineCoreClient):
             stream.parts[part.attempt_id] = part
             self._by_attempt[part.attempt_id] = (stream, part)  # before the call: outputs may come first
             try:
-                replica_id = await self._add.remote(part.request, self._subscriber, loads=self._loads())
+                replica_id = await self._add.remote(part.request, self._subscriber, loads=self.replica_loads())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - no replica took it: try again, then give up
@@ -377,7 +377,7 @@ class RayEngineCoreClient(EngineCoreClient):
         if self._wake is not None:
             self._wake.set()
 
-    def _loads(self) -> dict[str, tuple[int, int]]:
+    def replica_loads(self) -> dict[str, tuple[int, int]]:
         """Per replica: the parts placed there, and the prompt tokens of those with no output yet."""
         loads = {}
         for replica_id, placed in self._on_replica.items():

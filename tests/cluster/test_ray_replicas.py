@@ -191,3 +191,27 @@ def test_a_killed_replica_loses_no_stream(cluster: Cluster) -> None:
     assert counters.resumes - resumes >= 1
     assert counters.failed == failed
     cluster.run(cluster.until(lambda: len(cluster.core.replica_statuses()) == 2, timeout=120))  # Serve replaced it
+
+
+def test_the_front_end_counts_a_prompt_as_queued_prefill_until_its_first_token(cluster: Cluster) -> None:
+    ids = prompt(cluster, "Summarise the list. " + " ".join(f"Item {i} is a {i % 7}-sided shape." for i in range(70)))
+    samples: list[dict[str, tuple[int, int]]] = []
+
+    async def watch() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        stream = cluster.llm.generate(ids, params, cluster.request_id())
+        first = asyncio.ensure_future(anext(stream))
+        while not first.done():
+            samples.append(dict(cluster.core.replica_loads()))
+            await asyncio.sleep(0.01)
+        await first
+        async for _ in stream:
+            pass
+
+    cluster.run(watch())
+    placed = [loads for loads in samples if any(count for count, _ in loads.values())]
+    assert placed, "the request was never seen in flight"
+    waiting = [(1, len(ids)) in loads.values() for loads in placed]
+    assert any(waiting)  # placed, prompt not computed yet: one request and its whole prompt as prefill
+    assert all(prefill in (0, len(ids)) for loads in placed for _, prefill in loads.values())
+    assert all(value == (0, 0) for value in cluster.core.replica_loads().values())  # done: no load left
