@@ -196,15 +196,17 @@ def test_a_killed_replica_loses_no_stream(cluster: Cluster) -> None:
 def test_the_front_end_counts_a_prompt_as_queued_prefill_until_its_first_token(cluster: Cluster) -> None:
     ids = prompt(cluster, "Summarise the list. " + " ".join(f"Item {i} is a {i % 7}-sided shape." for i in range(70)))
     samples: list[dict[str, tuple[int, int]]] = []
+    streaming: dict[str, tuple[int, int]] = {}
 
     async def watch() -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         stream = cluster.llm.generate(ids, params, cluster.request_id())
         first = asyncio.ensure_future(anext(stream))
         while not first.done():
             samples.append(dict(cluster.core.replica_loads()))
             await asyncio.sleep(0.01)
         await first
+        streaming.update(cluster.core.replica_loads())  # 15 tokens to go: still in flight, prompt computed
         async for _ in stream:
             pass
 
@@ -214,4 +216,5 @@ def test_the_front_end_counts_a_prompt_as_queued_prefill_until_its_first_token(c
     waiting = [(1, len(ids)) in loads.values() for loads in placed]
     assert any(waiting)  # placed, prompt not computed yet: one request and its whole prompt as prefill
     assert all(prefill in (0, len(ids)) for loads in placed for _, prefill in loads.values())
+    assert (1, 0) in streaming.values()
     assert all(value == (0, 0) for value in cluster.core.replica_loads().values())  # done: no load left
