@@ -97,6 +97,7 @@ def test_stats_count_steps_by_their_tokens():
         expected[next(i for i, bound in enumerate(ITERATION_TOKEN_BUCKETS) if size <= bound)] += 1
     assert list(stats.iteration_token_counts) == expected and expected[4] >= 1  # 16 -> le=16, 5 -> le=8
     assert stats.iteration_tokens_sum == sum(sizes) and sum(expected) == stats.num_steps == len(sizes)
+    assert stats.kv_capacity_tokens == stats.num_blocks * BS  # published to the request routers
     scheduler.reset_counters()
     stats = scheduler.get_stats()
     assert stats.iteration_tokens_sum == 0 and not any(stats.iteration_token_counts)
