@@ -47,7 +47,6 @@ class _LoadAwareRouter(RequestRouter):
 
     def initialize_state(self, **kwargs) -> None:
         self._reserved: dict[str, tuple[ReplicaID, int]] = {}  # request -> (replica, prompt tokens)
-        self._reserved_load: dict[ReplicaID, tuple[int, int]] = {}  # replica -> (requests, prompt tokens)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -65,15 +64,19 @@ class _LoadAwareRouter(RequestRouter):
         raise NotImplementedError
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        self._unreserve(pending_request.metadata.internal_request_id)
+        self._reserved.pop(pending_request.metadata.internal_request_id, None)
 
     # ----------------------------------------------------------------- internals
     def _loads(self, candidates: list[RunningReplica], front_end_loads: dict) -> list[ReplicaLoad]:
+        reserved_load: dict[ReplicaID, tuple[int, int]] = {}  # replica -> (requests, prompt tokens) reserved
+        for replica_id, tokens in self._reserved.values():
+            requests, reserved_tokens = reserved_load.get(replica_id, (0, 0))
+            reserved_load[replica_id] = (requests + 1, reserved_tokens + tokens)
         loads = []
         for replica in candidates:
             stats = replica.routing_stats or {}
             in_flight, prefill_tokens = front_end_loads.get(replica.replica_id.unique_id, (0, 0))
-            reserved, reserved_tokens = self._reserved_load.get(replica.replica_id, (0, 0))
+            reserved, reserved_tokens = reserved_load.get(replica.replica_id, (0, 0))
             kv_usage = float(stats.get("kv_usage", 0.0))
             loads.append(
                 ReplicaLoad(replica.replica_id, in_flight + reserved, kv_usage, prefill_tokens + reserved_tokens)
@@ -88,23 +91,10 @@ class _LoadAwareRouter(RequestRouter):
     def _reserve(self, pending_request: PendingRequest | None, ranks: list[list[RunningReplica]]) -> None:
         if pending_request is None or not ranks or not ranks[0]:
             return
-        key = pending_request.metadata.internal_request_id
-        self._unreserve(key)
         if len(self._reserved) >= MAX_RESERVATIONS:
             self._reserved.clear()
-            self._reserved_load.clear()
-        replica_id = ranks[0][0].replica_id
-        tokens = len(_prompt_tokens(pending_request))
-        self._reserved[key] = (replica_id, tokens)
-        requests, reserved_tokens = self._reserved_load.get(replica_id, (0, 0))
-        self._reserved_load[replica_id] = (requests + 1, reserved_tokens + tokens)
-
-    def _unreserve(self, key: str) -> None:
-        entry = self._reserved.pop(key, None)
-        if entry is not None:
-            replica_id, tokens = entry
-            requests, reserved_tokens = self._reserved_load.get(replica_id, (1, tokens))
-            self._reserved_load[replica_id] = (max(0, requests - 1), max(0, reserved_tokens - tokens))
+        key = pending_request.metadata.internal_request_id
+        self._reserved[key] = (ranks[0][0].replica_id, len(_prompt_tokens(pending_request)))
 
 
 class RoundRobinRouter(_LoadAwareRouter):

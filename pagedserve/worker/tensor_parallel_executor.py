@@ -165,9 +165,7 @@ class TensorParallelExecutor:
         while True:
             try:
                 result = joined.get(timeout=0.2)
-            except queue.Empty:
-                result = None
-            if result is None:  # still joining
+            except queue.Empty:  # still joining
                 self.check_health()
                 continue
             if isinstance(result, BaseException):
